@@ -1,0 +1,182 @@
+"""A benchmark session: one SUT and one dataset, started once, then any number of scenario runs.
+
+`BenchConfig` (frozen) gathers the user's choices; `BenchSession` builds the SUT (in-process engine
+or HTTP), the dataset, the energy meter and the bandwidth figure, and turns each run into an
+`Outcome` (records + metrics, verdict, efficiency).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tokenmill.bench import datasets as ds
+from tokenmill.bench.efficiency import (Efficiency, EnergyMeter, compute_efficiency, decode_bytes_per_step,
+                                        local_device_name, resolve_bandwidth)
+from tokenmill.bench.metrics import Limits
+from tokenmill.bench.profiles import Profile
+from tokenmill.bench.records import Sample
+from tokenmill.bench.runner import RunResult, run_scenario_async
+from tokenmill.bench.scenarios import Scenario
+from tokenmill.bench.sut.base import SUT
+from tokenmill.bench.verdict import Verdict, judge
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    profile: Profile
+    url: str | None = None                  # None: the engine in-process
+    engine_args: object | None = None       # tokenmill.config.EngineArgs for in-process runs
+    served_model_name: str | None = None
+    api_key: str | None = None
+    tokenizer: str | None = None            # local tokenizer for HTTP re-tokenization / synthetic vocab
+    dataset: str = "synthetic"              # "synthetic" | "jsonl" | "cnndm"
+    dataset_path: str | None = None
+    num_samples: int = 64
+    prompt_len: str = "128"                 # tokens (see datasets.LengthDist.parse)
+    output_len: str = "128"                 # tokens
+    exact_output: bool = True               # synthetic: ignore_eos + min_tokens = max_tokens
+    vocab_size: int | None = None           # synthetic over HTTP without a tokenizer
+    temperature: float | None = None        # None: the profile's (greedy)
+    seed: int = 0
+    request_timeout_s: float | None = None  # s per request; None: no limit
+    progress: bool = True
+    mem_bandwidth_gbs: float | None = None
+    usd_per_hour: float | None = None
+    weights_bytes: int | None = None        # model weight bytes for the decode roofline
+    kv_bytes_per_token: int | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.profile.ttft_limit_ms, self.profile.tpot_limit_ms, self.profile.latency_percentile)
+
+    @property
+    def effective_temperature(self) -> float:
+        return 0.0 if self.temperature is None else self.temperature
+
+
+@dataclass
+class Outcome:
+    label: str
+    result: RunResult
+    verdict: Verdict
+    efficiency: Efficiency | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def build_sut(cfg: BenchConfig) -> SUT:
+    if cfg.url:
+        from tokenmill.bench.sut.http import HttpConfig, HttpSUT
+        tok = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        return HttpSUT(HttpConfig(cfg.url, cfg.served_model_name, cfg.api_key, cfg.effective_temperature), tok)
+    from tokenmill.bench.sut.inprocess import InProcessSUT
+    from tokenmill.config import EngineArgs
+    args = cfg.engine_args or EngineArgs()
+    if not cfg.profile.prefix_caching and getattr(args, "enable_prefix_caching", False):
+        args = dataclasses.replace(args, enable_prefix_caching=False)    # MLPerf: no KV reuse across queries
+    return InProcessSUT.from_engine_args(args, cfg.effective_temperature)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot load tokenizer {path!r} from local files ({type(e).__name__}: {e})") from None
+
+
+def build_dataset(cfg: BenchConfig, tokenizer) -> list[Sample]:
+    cap = cfg.profile.max_output_tokens
+    if cfg.dataset == "synthetic":
+        vocab = cfg.vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        if vocab is None:
+            raise ValueError("synthetic prompts need a vocabulary: pass --tokenizer or --vocab-size")
+        special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        samples = ds.synthetic_dataset(cfg.num_samples, ds.LengthDist.parse(cfg.prompt_len),
+                                       ds.LengthDist.parse(cfg.output_len), vocab, cfg.seed, special,
+                                       cfg.exact_output)
+    elif cfg.dataset in ("jsonl", "cnndm"):
+        if not cfg.dataset_path:
+            raise ValueError(f"--dataset {cfg.dataset} needs --dataset-path")
+        if cfg.dataset == "jsonl":
+            max_out = ds.LengthDist.parse(cfg.output_len).a
+            samples = ds.jsonl_dataset(cfg.dataset_path, int(max_out), tokenizer, cfg.num_samples)
+        else:
+            samples = ds.cnndm_dataset(cfg.dataset_path, tokenizer, cfg.num_samples)
+    else:
+        raise ValueError(f"unknown dataset {cfg.dataset!r}: expected synthetic, jsonl or cnndm")
+    if cap is not None:
+        samples = [_capped(s, cap) for s in samples]
+    return samples
+
+
+def _capped(s: Sample, cap: int) -> Sample:
+    if s.max_output_tokens <= cap:
+        return s
+    return dataclasses.replace(s, max_output_tokens=cap, min_output_tokens=min(s.min_output_tokens, cap))
+
+
+def engine_model_info(sut: SUT) -> tuple[int | None, int | None, str]:
+    """(weight bytes, KV bytes per token, source) from the in-process engine, where it exposes them."""
+    import os
+    inner = getattr(getattr(sut, "engine", None), "engine", None)
+    path = getattr(inner, "model_path", None)
+    weights = None
+    if path and os.path.isfile(str(path)):
+        weights = os.path.getsize(str(path))
+    elif path and os.path.isdir(str(path)):
+        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                      if f.endswith((".safetensors", ".bin", ".gguf")))
+    kv = getattr(getattr(getattr(inner, "config", None), "model", None), "kv_bytes_per_token", None)
+    return weights, kv, "engine model files" if weights else "not available"
+
+
+class BenchSession:
+    def __init__(self, cfg: BenchConfig, sut: SUT | None = None):
+        self.cfg = cfg
+        self.sut = sut or build_sut(cfg)
+        self.samples: list[Sample] = []
+        self.meter: EnergyMeter | None = None
+
+    async def __aenter__(self) -> "BenchSession":
+        await self.sut.start()
+        try:
+            self.samples = build_dataset(self.cfg, self.sut.tokenizer)
+        except Exception:
+            await self.sut.close()
+            raise
+        self.meter = EnergyMeter()
+        device = local_device_name()
+        self.bandwidth = resolve_bandwidth(self.cfg.mem_bandwidth_gbs, device,
+                                           measure_cpu=self.cfg.url is None and device is None)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.sut.close()
+
+    async def run(self, scenario: Scenario, label: str | None = None, prefix: str = "q") -> Outcome:
+        self.meter.start()
+        result = await run_scenario_async(self.sut, self.samples, scenario, self.cfg.limits,
+                                          self.cfg.request_timeout_s, self.cfg.progress, prefix)
+        joules = self.meter.stop_joules()
+        verdict = judge(result, self.cfg.profile)
+        return Outcome(label or scenario.name, result, verdict, self._efficiency(result, joules))
+
+    def _efficiency(self, result: RunResult, joules: float | None) -> Efficiency:
+        m = result.metrics
+        weights, kv, source = engine_model_info(self.sut)
+        weights = self.cfg.weights_bytes or weights
+        kv = self.cfg.kv_bytes_per_token or kv
+        if self.cfg.weights_bytes:
+            source = "user (--weights-bytes)"
+        done = [r for r in result.records if r.ok]
+        decode_time = sum(r.completed_s - r.first_token_s for r in done)
+        mean_batch = decode_time / m.duration_s if m.duration_s > 0 else 0.0     # Little's law
+        mean_ctx = (sum((r.num_prompt_tokens or 0) + r.num_output_tokens / 2 for r in done) / len(done)) if done else 0
+        bytes_per_step = decode_bytes_per_step(weights, kv, mean_batch, mean_ctx)
+        if bytes_per_step and not kv:
+            source += " (weights only: KV bytes unknown)"
+        tps = m.tokens_per_s if result.scenario == "Offline" else m.completed_tokens_per_s
+        tpot_ms = m.tpot_ms.get("p50")
+        return compute_efficiency(tps, tpot_ms / 1000.0 if tpot_ms else None, bytes_per_step, source,
+                                  self.bandwidth, joules, self.meter.source, m.total_output_tokens,
+                                  self.cfg.usd_per_hour)

@@ -1,0 +1,186 @@
+"""Engine configuration: one frozen dataclass per concern, built once from `EngineArgs`.
+
+`EngineArgs` is what users pass (`LLM(**kwargs)`, CLI flags); `EngineConfig` is what the engine reads.
+Derived values are properties; constructors do no I/O (loading the HF config happens in `create_engine_config`).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str            # e.g. "LlamaForCausalLM": the model registry key
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None    # HF rope parameters, e.g. {"rope_type": "llama3", "factor": 8, ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool         # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_hf(cls, hf_config, dtype: torch.dtype = torch.float32) -> "ModelConfig":
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            archs = [_arch_from_model_type(getattr(hf_config, "model_type", None))]
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=_rope_theta(hf_config),
+            rope_scaling=_rope_scaling(hf_config),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=_attention_bias(hf_config, archs[0]),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=_as_tuple(getattr(hf_config, "eos_token_id", None)),
+            dtype=dtype,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, in bytes."""
+        return 2 * self.num_layers * self.kv_size * torch.finfo(self.dtype).bits // 8
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    known = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    if model_type not in known:
+        raise ValueError(f"model config has no 'architectures' and model_type {model_type!r} is not one of "
+                         f"{sorted(known)}")
+    return known[model_type]
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+def _rope_scaling(hf_config) -> dict | None:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    return None if kind == "default" else dict(params, rope_type=kind)
+
+
+def _attention_bias(hf_config, architecture: str) -> bool:
+    if architecture.startswith("Qwen2"):
+        return True
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16                     # tokens per KV block
+    num_blocks: int = 0                      # set by the engine from the memory budget
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256                  # running requests per step
+    max_num_batched_tokens: int = 2048       # token budget per step (decode tokens + prefill chunks)
+    max_model_len: int = 8192                # prompt + output tokens per request
+    long_prefill_token_threshold: int = 0    # 0: a prefill chunk may use the whole budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+    attention_backend: str = "cpu"
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options (LLM(**kwargs) and CLI flags share these names)."""
+    model: str | None = None                 # HF directory or .gguf file; None: the default model
+    tokenizer: str | None = None             # defaults to the model's own
+    dtype: str = "float32"
+    max_model_len: int | None = None         # default: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None # KV pool size; overrides the fraction
+    kv_cache_memory_fraction: float = 0.25   # of currently available memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "cpu"           # "cpu" (fast) or "reference"
+    num_threads: int | None = None           # torch intra-op threads; None: leave as is
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference"])
+        g.add_argument("--num-threads", type=int, default=None)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {self.dtype!r}")
+        return dtypes[self.dtype]

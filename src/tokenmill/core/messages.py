@@ -1,0 +1,50 @@
+"""The only contract between the scheduler (policy, pure Python) and the model runner (tensors).
+
+SchedulerOutput: what to compute this step. RunnerOutput: what came of it.
+Token lists passed here are read-only views owned by the scheduler, valid until the next schedule().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tokenmill.outputs import TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: Sequence[int]          # [num_new_tokens] ids to compute now (a prefill chunk, 1 decode token, ...)
+    start_position: int               # position of token_ids[0]; KV of positions < start_position is cached
+    block_ids: list[int]              # the request's block table: position p lives in block_ids[p // block_size]
+    sample: bool                      # True when this step reaches the request's last token: sample one
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]   # for penalties
+    output_token_ids: Sequence[int]   # generated so far, for penalties and min_tokens
+    eos_token_ids: Sequence[int]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]                 # running requests first, then newly admitted ones
+    finished_request_ids: list[str] = field(default_factory=list)  # done since the previous step: drop state
+    preempted_request_ids: list[str] = field(default_factory=list)  # preempted this step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, list[int]]                     # request id -> new tokens (1 per sampled request)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only for requests asking for them

@@ -1,0 +1,179 @@
+"""Token-budget scheduler: each step hands out "n tokens for this request", with no prefill/decode phases.
+
+Per step: running requests first (in order) get what they need (1 decode token, or the rest of a prefill
+chunk), then waiting requests are admitted while the token budget, the sequence limit and the KV pool
+allow. When the pool runs dry for a running request, the policy's victim is preempted (blocks freed, to
+be recomputed later from its tokens, which reproduces exactly the same continuation).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.policy import FCFSPolicy, SchedulingPolicy
+from tokenmill.core.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.policy = policy or FCFSPolicy()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_since_last_step: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ---- admission and removal -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.request_id)
+        # a request alone never outgrows the pool, so preemption always ends with someone making progress
+        request.max_model_len = min(request.max_model_len, self.config.max_model_len,
+                                    self.kv.num_blocks * self.kv.block_size)
+        self.requests[request.request_id] = request
+        self.policy.add_waiting(self.waiting, request)
+
+    def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
+        """A prompt that could never be scheduled is an error now, not a hang later: the prompt and one
+        output token must fit both the context window and the whole KV pool."""
+        if num_prompt_tokens == 0:
+            raise ValueError(f"{what}: the prompt is empty; at least one token is needed")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if num_prompt_tokens + 1 > min(self.config.max_model_len, capacity):
+            raise ValueError(
+                f"{what}: {num_prompt_tokens} prompt tokens plus 1 output token do not fit: the context "
+                f"window is {self.config.max_model_len} tokens and the KV cache holds {capacity} tokens")
+
+    def finish_requests(self, request_ids, reason: FinishReason, stop_reason=None) -> list[Request]:
+        """Finish requests from outside (abort, stop strings). Unknown or finished ids are ignored."""
+        done = []
+        for rid in ([request_ids] if isinstance(request_ids, str) else request_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason, request.stop_reason = reason, stop_reason
+            self._free(request)
+            done.append(request)
+        return done
+
+    def _free(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_since_last_step.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted)
+        self.finished_since_last_step = []
+        return out
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(n, threshold) if threshold > 0 else n
+
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.policy.pick_victim(self.running[i:])  # never one already scheduled
+                self._preempt(victim, preempted)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _preempt(self, request: Request, preempted: list) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.policy.readmit(self.waiting, request)
+        preempted.append(request.request_id)
+
+    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.perf_counter()
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts, append sampled tokens, finish requests that stop.
+        Returns (request, new token ids) for every request that produced tokens this step."""
+        produced = []
+        for sr in sched_out.scheduled:
+            request = self.requests.get(sr.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += sr.num_new_tokens
+            new_ids = self._append_tokens(request, runner_out.sampled_token_ids.get(sr.request_id, ()))
+            if new_ids:
+                produced.append((request, new_ids))
+        return produced
+
+    def _append_tokens(self, request: Request, token_ids) -> list[int]:
+        accepted = []
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            accepted.append(token_id)
+            if request.check_stop(token_id):
+                self.running.remove(request)
+                self._free(request)
+                break
+        return accepted

@@ -1,0 +1,216 @@
+"""The synchronous engine: text in, RequestOutputs out. Tokenizes, fans out n>1, detokenizes
+incrementally, applies stop strings, stamps per-token times. Single-threaded: callers that need
+concurrency wrap it (AsyncEngine)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.core.request import FinishReason, Request
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine_core import CoreUpdate, EngineCore, EngineStats
+from tokenmill.engine.memory import kv_budget_bytes, num_kv_blocks
+from tokenmill.loaders import open_model_source
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class _Completion:
+    """One of a request's n completions (one scheduler Request each)."""
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list | None
+    new_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    completions: list[_Completion]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        t0 = time.perf_counter()
+        self.args = args
+        if args.num_threads:
+            import torch
+            torch.set_num_threads(args.num_threads)
+        source = open_model_source(args.model, args.tokenizer)
+        self.model_path = source.path
+        self.tokenizer = source.load_tokenizer()
+        self.config = self._make_config(args, source)
+        self.core = EngineCore(self.config, source.iter_weights())
+        self.eos_token_ids = self.config.model.eos_token_ids
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.startup_s = time.perf_counter() - t0
+        self._log_startup()
+
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _make_config(self, args: EngineArgs, source) -> EngineConfig:
+        model = ModelConfig.from_hf(source.hf_config, args.torch_dtype)
+        eos = tuple(dict.fromkeys(model.eos_token_ids + source.extra_eos_ids))
+        model = _replace(model, eos_token_ids=eos)
+        max_len = args.max_model_len or model.max_position_embeddings
+        if max_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{model.max_position_embeddings}")
+        num_blocks = num_kv_blocks(model, args.block_size, kv_budget_bytes(args), max_len, args.max_num_seqs)
+        return EngineConfig(
+            model_path=source.path, model=model,
+            cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
+            seed=args.seed, attention_backend=args.attention_backend)
+
+    def _log_startup(self) -> None:
+        c = self.config
+        kv_bytes = c.cache.num_blocks * c.cache.block_size * c.model.kv_bytes_per_token
+        logger.info("tokenmill: %s (%s), %d KV blocks x %d tokens = %.0f MiB, prefix caching %s, "
+                    "start-up %.1f s", c.model.architecture, self.model_path, c.cache.num_blocks,
+                    c.cache.block_size, kv_bytes / 2**20, "on" if c.cache.enable_prefix_caching else "off",
+                    self.startup_s)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, stream: bool = False) -> None:
+        """Validate and enqueue. Raises ValueError/TypeError (and enqueues nothing) for bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self.core.scheduler.check_fits(len(ids), f"request {request_id}")
+        arrival = arrival_time if arrival_time is not None else time.perf_counter()
+        state = _RequestState(request_id, text, ids, params, stream, [])
+        for i in range(params.n):
+            state.completions.append(self._new_completion(state, i, arrival))
+        self.requests[request_id] = state
+        for c in state.completions:
+            self.child_to_parent[c.request.request_id] = (state, c.index)
+            self.core.add_request(c.request)
+        self.prompt_tokens_total += len(ids) * params.n
+
+    def _new_completion(self, state: _RequestState, index: int, arrival: float) -> _Completion:
+        params = state.params
+        if params.n > 1 and params.seed is not None:
+            params = params.replace(seed=params.seed + index)     # distinct yet reproducible completions
+        child_id = state.request_id if state.params.n == 1 else f"{state.request_id}#{index}"
+        request = Request(child_id, state.prompt_token_ids, params, self.eos_token_ids,
+                          self.max_model_len, arrival_time=arrival)
+        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                                       include_stop_str_in_output=params.include_stop_str_in_output)
+        return _Completion(index, request, detok, RequestMetrics(arrival),
+                           [] if params.logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request (all its completions) now; returns its final output, or None if unknown."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        self.core.abort([c.request.request_id for c in state.completions])
+        return self._finish_if_done(state, time.perf_counter(), force=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        updates = self.core.step()
+        now = time.perf_counter()
+        touched: dict[str, _RequestState] = {}
+        for u in updates:
+            state, index = self.child_to_parent[u.request.request_id]
+            self._apply(state.completions[index], u, now)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            out = self._finish_if_done(state, now)
+            if out is None and state.stream:
+                out = self._make_output(state, finished=False)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply(self, c: _Completion, u: CoreUpdate, now: float) -> None:
+        m = c.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            m.first_scheduled_time = u.request.first_scheduled_time
+        m.token_times.extend([now] * len(u.new_token_ids))
+        self.generation_tokens_total += len(u.new_token_ids)
+        c.new_ids.extend(u.new_token_ids)
+        if c.logprobs is not None:
+            c.logprobs.extend(u.new_logprobs)
+        upd = c.detok.append(u.new_token_ids)
+        c.new_text += upd.new_text
+        if upd.stop_string is not None:
+            self.core.abort(u.request.request_id, FinishReason.STOP, upd.stop_string)
+            u.request.finish_reason, u.request.stop_reason = FinishReason.STOP, upd.stop_string
+
+    def _finish_if_done(self, state: _RequestState, now: float, force: bool = False) -> RequestOutput | None:
+        if not force and not all(c.request.is_finished for c in state.completions):
+            return None
+        for c in state.completions:
+            c.metrics.finished_time = now
+            c.metrics.num_preemptions = c.request.num_preemptions
+        del self.requests[state.request_id]
+        for c in state.completions:
+            self.child_to_parent.pop(c.request.request_id, None)
+        return self._make_output(state, finished=True)
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        outs = []
+        for c in state.completions:
+            r = c.request
+            reason = r.finish_reason.value if r.finish_reason is not None else None
+            outs.append(CompletionOutput(
+                index=c.index, text=c.detok.text, token_ids=r.output_token_ids, finish_reason=reason,
+                stop_reason=r.stop_reason, logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                new_token_ids=c.new_ids, new_text=c.new_text, metrics=c.metrics))
+            c.new_ids, c.new_text = [], ""
+        cached = state.completions[0].request.num_cached_tokens
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, cached)
+
+    def stats(self) -> EngineStats:
+        s = self.core.stats()
+        s.prompt_tokens_total = self.prompt_tokens_total
+        s.generation_tokens_total = self.generation_tokens_total
+        return s
+
+
+def _replace(cfg, **changes):
+    from dataclasses import replace
+    return replace(cfg, **changes)

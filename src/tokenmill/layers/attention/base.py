@@ -1,0 +1,45 @@
+"""What every attention backend gets for one step, and the interface it implements.
+
+KV cache layout, per layer: k_cache, v_cache [num_slots, num_kv_heads, head_dim] with
+num_slots = num_blocks * block_size; the token at position p of a request lives in slot
+block_ids[p // block_size] * block_size + p % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqSpan:
+    """One request's part of the step's flattened token batch."""
+    query_start: int             # first row of its new tokens in the [num_tokens, ...] batch
+    query_len: int               # new tokens this step
+    context_len: int             # tokens whose KV it attends to, new ones included (= start position + query_len)
+    context_slots: torch.Tensor  # [context_len] int64 cache slots of positions 0..context_len-1
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor           # [num_tokens] int64: cache slot of each new token
+    seqs: list[SeqSpan]                  # every scheduled request, in batch order
+    # single-token queries (decodes), batched for the fast path; None when there are none
+    decode_rows: torch.Tensor | None = None    # [num_decodes] int64 rows in the token batch
+    decode_slots: torch.Tensor | None = None   # [num_decodes, max_context] int64, padded with slot 0
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_context] float32: 0 or -inf for padding
+
+
+class AttentionBackend:
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (new tokens, already rotated).
+        Writes k/v into the cache at meta.slot_mapping, then returns [T, num_heads * head_dim]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)

@@ -1,0 +1,105 @@
+"""`LLM`: the offline Python API. `LLM().generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict
+
+
+class LLM:
+    """Loads a model (None: the default SmolLM2-135M-Instruct GGUF) and generates with continuous batching.
+    Keyword arguments are EngineArgs fields (max_num_seqs, enable_prefix_caching, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Outputs in prompt order. A single prompt may be a string or one list of token ids."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in ids]
+
+    def _add(self, prompt: Prompt, params: SamplingParams, stream: bool = False) -> str:
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, prompt, params, stream=stream)
+        return rid
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield cumulative outputs of one request as tokens arrive (`.outputs[i].new_text` is the delta)."""
+        rid = self._add(prompt, sampling_params or SamplingParams(), stream=True)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or several; uses the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c, add_generation_prompt) for c in convs], sampling_params)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+
+
+def apply_chat_template(tokenizer, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the model's chat template; a clear error without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                        f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
+    return params

@@ -1,0 +1,175 @@
+"""GGUF checkpoints (llama.cpp format): config, tensors under Hugging Face names, tokenizer.
+
+    f = GGUFFile(path)
+    config = f.hf_config()                  # LlamaConfig / MistralConfig / Qwen2Config
+    for name, tensor in f.iter_tensors():   # float32, HF names and shapes, Q/K rows un-permuted
+        ...
+    tokenizer = f.load_tokenizer()          # cached on disk after the first build
+
+The file is memory-mapped; tensors are read and dequantized one at a time as they are iterated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import TypeVar
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+from tokenmill.loaders.gguf_config import architecture_of, build_hf_config
+from tokenmill.loaders.gguf_dequant import SUPPORTED_TYPES, dequantize, ggml_type_name, is_supported, row_nbytes
+from tokenmill.loaders.gguf_header import GGUFError, GGUFHeader, TensorInfo, read_header
+from tokenmill.loaders.gguf_tokenizer import load_gguf_tokenizer
+
+__all__ = ["GGUFFile", "GGUFError", "unpermute_rows", "permute_rows"]
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {  # "blk.{i}.<key>.<weight|bias>" -> "model.layers.{i}.<value>.<weight|bias>"
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_SKIPPED = {"rope_freqs.weight"}  # llama3 rope scaling; folded into hf_config().rope_parameters
+_PERMUTED_ARCHS = ("llama", "mistral")  # convert_hf_to_gguf permutes Q/K rows for these, not qwen2
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+
+
+def permute_rows(t: ArrayT, n_head: int) -> ArrayT:
+    """HF -> llama.cpp row order of a Q or K projection (what convert_hf_to_gguf does).
+
+    Per head, HF keeps the rotary pairs as [first halves..., second halves...]; llama.cpp interleaves
+    them: row (h, 2*i + j) of the result is row (h, j * half + i) of the input.
+    """
+    rows = t.shape[0]
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def unpermute_rows(t: ArrayT, n_head: int) -> ArrayT:
+    """llama.cpp -> HF row order; inverse of `permute_rows`.
+
+    t: numpy array or torch tensor of any dtype, rows first (e.g. [out_features, in_features] floats,
+    [out_features, row_bytes] raw quantized blocks, or a [out_features] bias). n_head: query heads
+    for attn_q, key/value heads for attn_k. Returns a new array (a copy when t is not contiguous).
+    """
+    rows = t.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute {rows} rows for {n_head} heads: rows must be a multiple of 2 * n_head")
+    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+class GGUFFile:
+    """One GGUF checkpoint of a supported architecture (llama, mistral, qwen2)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.header: GGUFHeader = read_header(path)  # FileNotFoundError / GGUFError
+        self.architecture: str = architecture_of(self.header)  # GGUFError if unsupported
+        # whole file, copy-on-write: tensors are views (no read until touched), writable for torch
+        self._data = np.memmap(path, dtype=np.uint8, mode="c")
+        self._config: PretrainedConfig | None = None
+
+    def hf_config(self) -> PretrainedConfig:
+        if self._config is None:
+            rope_freqs = self.header.tensors.get("rope_freqs.weight")
+            freqs = self._dequantize(rope_freqs) if rope_freqs is not None else None
+            self._config = build_hf_config(self.header, freqs)
+        return self._config
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor in HF shape) for every weight, Q/K rows in HF order.
+
+        Raises GGUFError before yielding anything if a tensor name is unknown or its type unsupported.
+        """
+        plan = self._plan(check_types=True)
+        for info, hf_name, n_head in plan:
+            tensor = self._dequantize(info)
+            yield hf_name, (unpermute_rows(tensor, n_head).contiguous() if n_head else tensor)
+
+    def iter_raw(self) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
+        """(HF name, ggml type name e.g. "Q4_1", HF logical shape, raw bytes) for every weight.
+
+        raw: uint8 [*shape[:-1], row_bytes], a copy-on-write view of the mapped file (no copy made).
+        Q/K rows are NOT un-permuted here: for llama/mistral files (see `needs_unpermute`), the
+        caller must apply `unpermute_rows(raw, n_head)` to q_proj (num_attention_heads) and k_proj
+        (num_key_value_heads) weights and biases. Any ggml type is yielded, supported or not.
+        """
+        for info, hf_name, _ in self._plan(check_types=False):
+            yield hf_name, ggml_type_name(info.ggml_type), info.shape, self._raw(info)
+
+    def needs_unpermute(self, hf_name: str) -> int:
+        """Heads to pass to `unpermute_rows` for this HF tensor name in iter_raw output; 0 if none."""
+        config = self.hf_config()
+        if self.header.metadata["general.architecture"] not in _PERMUTED_ARCHS:
+            return 0
+        if ".self_attn.q_proj." in hf_name:
+            return config.num_attention_heads
+        if ".self_attn.k_proj." in hf_name:
+            return config.num_key_value_heads
+        return 0
+
+    def load_tokenizer(self, cache_dir: str | None = None) -> PreTrainedTokenizerFast:
+        """Tokenizer with chat template from the GGUF metadata; see gguf_tokenizer for the cache."""
+        return load_gguf_tokenizer(self.path, cache_dir)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _plan(self, check_types: bool) -> list[tuple[TensorInfo, str, int]]:
+        """[(tensor info, HF name, heads to un-permute or 0)] for all weights, validated up front."""
+        plan = []
+        for info in self.header.tensors.values():
+            if info.name in _SKIPPED:
+                continue
+            hf_name = hf_tensor_name(info.name)
+            if hf_name is None:
+                raise GGUFError(f"{self.path}: tensor {info.name!r} has no Hugging Face name mapping "
+                                f"for architecture {self.architecture!r}.")
+            if check_types and not is_supported(info.ggml_type):
+                raise GGUFError(f"{self.path}: tensor {info.name!r} has ggml type {ggml_type_name(info.ggml_type)}, "
+                                f"which cannot be dequantized; supported: {', '.join(SUPPORTED_TYPES)}.")
+            plan.append((info, hf_name, self.needs_unpermute(hf_name)))
+        return plan
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        try:
+            row_bytes = row_nbytes(info.ggml_type, info.ggml_dims[0])
+        except (KeyError, ValueError) as e:
+            raise GGUFError(f"{self.path}: tensor {info.name!r} of ggml type {ggml_type_name(info.ggml_type)} "
+                            f"with shape {info.shape} has no known byte layout ({e}).") from e
+        n_rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        start = self.header.data_start_bytes + info.offset_bytes
+        end = start + n_rows * row_bytes
+        if end > self.header.file_size_bytes:
+            raise GGUFError(f"{self.path}: tensor {info.name!r} runs past the end of the file (truncated download?).")
+        return self._data[start:end].reshape(*info.shape[:-1], row_bytes)
+
+    def _dequantize(self, info: TensorInfo) -> torch.Tensor:
+        if not is_supported(info.ggml_type):
+            raise GGUFError(f"{self.path}: tensor {info.name!r} has unsupported ggml type "
+                            f"{ggml_type_name(info.ggml_type)}; supported: {', '.join(SUPPORTED_TYPES)}.")
+        return dequantize(self._raw(info), info.ggml_type, info.shape)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF checkpoint name, or None if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, key, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[key]}.{kind}"

@@ -1,0 +1,62 @@
+"""Copy (checkpoint name, tensor) pairs into a model's parameters, fused ones included.
+
+Every parameter must be filled exactly once (per shard), every checkpoint tensor must land somewhere,
+and shapes must match: each violation is an error that names the tensor."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       stacked: dict[str, list[tuple[str, str]]], ignored_suffixes=(), skip=()) -> None:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    expected = _expected_pieces(params, modules, stacked)
+    loaded: set[tuple[str, str | None]] = set()
+    for name, tensor in weights:
+        if name in skip or name.endswith(tuple(ignored_suffixes)):
+            continue
+        param_name, shard = _resolve(name, stacked)
+        if param_name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}: the model has no parameter for it")
+        _copy_into(params[param_name], modules[param_name.rsplit(".", 1)[0]], shard, name, tensor)
+        loaded.add((param_name, shard))
+    missing = sorted(f"{p}" + (f" [{s}]" if s else "") for p, s in expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing tensors for: {shown}")
+
+
+def _resolve(name: str, stacked) -> tuple[str, str | None]:
+    for fused, parts in stacked.items():
+        for part, shard in parts:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _expected_pieces(params, modules, stacked) -> set[tuple[str, str | None]]:
+    fused_names = set(stacked)
+    out = set()
+    for pname in params:
+        owner = pname.rsplit(".", 1)[0]
+        leaf = owner.rsplit(".", 1)[-1]
+        if leaf in fused_names:
+            out.update((pname, shard) for _, shard in stacked[leaf])
+        else:
+            out.add((pname, None))
+    return out
+
+
+def _copy_into(param: torch.Tensor, module: nn.Module, shard, ckpt_name: str, tensor: torch.Tensor) -> None:
+    target = param.data
+    if shard is not None:
+        rows = module.shard_rows(shard)
+        target = target[rows]
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(target.shape)}")
+    target.copy_(tensor.to(target.dtype))

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`tokenmill serve`): see api_server.py for the routes."""

@@ -1,0 +1,58 @@
+"""Server options: one frozen dataclass, built once from CLI flags (`tokenmill serve`)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from tokenmill.sampling_params import MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"                  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None               # None: no authentication
+    max_waiting_requests: int = 512          # sequences queued beyond the running batch before 429
+    max_n: int = 16                          # completions per prompt (the `n` field)
+    max_logprobs: int = MAX_LOGPROBS         # top-k logprobs per token a request may ask for
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    shutdown_grace_s: float = 30.0           # on SIGTERM/SIGINT: time to finish in-flight requests
+    retry_after_s: int = 1                   # Retry-After header of a 429
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _at_least("port", self.port, 0)
+        _at_least("max_waiting_requests", self.max_waiting_requests, 0)
+        _at_least("max_n", self.max_n, 1)
+        _at_least("max_request_body_bytes", self.max_request_body_bytes, 1)
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+        g.add_argument("--max-waiting-requests", type=int, default=512,
+                       help="sequences allowed to wait beyond the running batch; more get 429")
+        g.add_argument("--max-n", type=int, default=16, help="largest `n` a request may ask for")
+        g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                       help="largest logprobs / top_logprobs a request may ask for")
+        g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                       help="larger request bodies get 413")
+        g.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, time to finish in-flight requests before aborting them")
+        g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerConfig":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

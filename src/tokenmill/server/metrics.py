@@ -1,0 +1,101 @@
+"""Prometheus metrics with vLLM's names under the `tokenmill:` prefix, in a per-app registry.
+
+Latency histograms are observed by the server when a completion finishes, from the engine's
+`RequestMetrics` (perf_counter seconds). Gauges and engine-wide counters are read from
+`engine.stats()` at scrape time by a custom collector, so they can never drift from the engine.
+`kv_cache_usage_perc` is a fraction in [0, 1], as in vLLM despite the name.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenmill.outputs import CompletionOutput
+
+PREFIX = "tokenmill:"
+
+# Buckets as in vLLM (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """Owns the app's registry; `observe_finished` records one finished completion."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens (s)", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish (s)", REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (s)", REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token (s)", REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to finish (s)", REQUEST_BUCKETS)
+        self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason",
+                               labels + ["finished_reason"], registry=self.registry)
+        self.registry.register(EngineStatsCollector(engine, model_name))
+
+    def observe_finished(self, completion: CompletionOutput) -> None:
+        reason = completion.finish_reason or "unknown"
+        self.success.labels(self.model_name, reason).inc()
+        m = completion.metrics
+        if m is None:
+            return
+        name = self.model_name
+        if m.first_token_time is not None:
+            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+        itl = self.itl.labels(name)
+        for prev, cur in zip(m.token_times, m.token_times[1:]):
+            itl.observe(cur - prev)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill.labels(name).observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.finished_time is not None:
+            self.decode.labels(name).observe(m.finished_time - m.first_token_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and engine counters, read from `engine.stats()` on every scrape."""
+
+    GAUGES = (("num_requests_running", "num_running", "Requests in the running batch"),
+              ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
+              ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use by requests (0-1)"))
+    COUNTERS = (("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
+                ("generation_tokens", "generation_tokens_total", "Output tokens generated"),
+                ("num_preemptions", "num_preemptions_total", "Requests preempted"),
+                ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache"))
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []   # dynamic: never describe, so registration does not call engine.stats()
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, attr, doc in self.GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield g
+        for name, attr, doc in self.COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield c

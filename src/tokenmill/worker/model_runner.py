@@ -1,0 +1,73 @@
+"""Executes one scheduled step: inputs -> model forward -> logits of sampled rows -> sampler.
+
+Owns the model, the KV cache tensors and per-request sampling state (seeded generators). Decides no
+policy: it computes exactly what the SchedulerOutput lists.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.core.messages import RunnerOutput, SchedulerOutput
+from tokenmill.layers.attention import get_backend
+from tokenmill.models.registry import get_model_class
+from tokenmill.sample.sampler import Sampler, SamplingMeta
+from tokenmill.worker.input_batch import build_step_inputs
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, weights) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.model = self._build_model(config.model, weights)
+        self.backend = get_backend(config.attention_backend)
+        self.kv_caches = self._allocate_kv_cache(config.model, config.cache.num_blocks)
+        self.sampler = Sampler(seed=config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def _build_model(cfg: ModelConfig, weights):
+        t0 = time.perf_counter()
+        model = get_model_class(cfg.architecture)(cfg)
+        model.load_weights(weights)
+        model.eval()
+        model.load_time_s = time.perf_counter() - t0
+        return model
+
+    def _allocate_kv_cache(self, cfg: ModelConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        num_slots = num_blocks * self.block_size
+        caches = []
+        for layer in self.model.attention_layers():
+            k = torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+            v = torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+            layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+            caches.append((k, v))
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        for rid in sched_out.finished_request_ids:
+            self.generators.pop(rid, None)
+        if sched_out.is_empty:
+            return RunnerOutput({})
+        inputs = build_step_inputs(sched_out, self.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_request_idx:
+            return RunnerOutput({})
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])      # [R, vocab] float32
+        scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]
+        metas = [self._sampling_meta(sr) for sr in scheduled]
+        out = self.sampler(logits, metas)
+        sampled = {sr.request_id: [tok] for sr, tok in zip(scheduled, out.token_ids)}
+        logprobs = {sr.request_id: [lp] for sr, lp in zip(scheduled, out.logprobs) if lp is not None}
+        return RunnerOutput(sampled, logprobs)
+
+    def _sampling_meta(self, sr) -> SamplingMeta:
+        gen = None
+        if sr.params.seed is not None:
+            gen = self.generators.get(sr.request_id)
+            if gen is None:
+                gen = self.generators[sr.request_id] = Sampler.make_generator(sr.params.seed)
+        return SamplingMeta(sr.params, gen, sr.prompt_token_ids, sr.output_token_ids, sr.eos_token_ids)

@@ -1,0 +1,86 @@
+"""Metric math on synthetic timelines with known answers."""
+import pytest
+
+from tokenmill.bench.metrics import Limits, compute_metrics, percentile, tokens_over_time
+from tokenmill.bench.records import RequestRecord
+
+
+def rec(i, sched, sent, first, done, n, chunks=None, error=None):
+    r = RequestRecord(f"r{i}", i, sched, sent_s=sent, first_token_s=first, completed_s=done,
+                      num_output_tokens=n, error=error)
+    if chunks is not None:
+        r.chunk_times_s = [t for t, _ in chunks]
+        r.chunk_num_tokens = [k for _, k in chunks]
+    return r
+
+
+def test_nearest_rank_percentile():
+    values = list(range(1, 101))           # 1..100
+    assert percentile(values, 0.5) == 51   # sorted[int(100 * 0.5)]
+    assert percentile(values, 0.99) == 100
+    assert percentile(values, 0.9) == 91
+    assert percentile([5.0], 0.99) == 5.0
+    assert percentile([], 0.5) is None
+    assert percentile([3, 1, 2], 0.999) == 3   # clamped to the last element
+
+
+def test_ttft_tpot_and_latency_from_scheduled_time():
+    r = rec(0, sched=1.0, sent=1.002, first=1.5, done=2.5, n=11)
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.ttft_sent_s == pytest.approx(0.498)
+    assert r.issue_delay_s == pytest.approx(0.002)
+    assert r.latency_s == pytest.approx(1.5)
+    assert r.tpot_s == pytest.approx(0.1)      # (1.5 - 0.5) / (11 - 1)
+
+
+def test_one_token_output_has_no_tpot_but_is_counted():
+    m = compute_metrics([rec(0, 0, 0, 0.2, 0.2, 1), rec(1, 0, 0, 0.1, 1.1, 11)])
+    assert m.num_one_token_outputs == 1
+    assert m.tpot_ms["count"] == 1
+    assert m.tpot_ms["p50"] == pytest.approx(100.0)
+
+
+def test_offline_and_server_token_rates():
+    records = [rec(i, 0.0, 0.0, 0.5, 1.0 + i, 10) for i in range(4)]   # done at 1, 2, 3, 4 s
+    m = compute_metrics(records)
+    assert m.total_output_tokens == 40
+    assert m.tokens_per_s == pytest.approx(10.0)            # 40 tokens / max latency 4 s
+    assert m.completed_tokens_per_s == pytest.approx(10.0)  # 40 / all-done time 4 s
+    assert m.completed_samples_per_s == pytest.approx(0.75) # (4 - 1) / 4 s
+    assert m.request_throughput_rps == pytest.approx(1.0)
+
+
+def test_failed_requests_counted_not_measured():
+    records = [rec(0, 0, 0, 0.1, 1.0, 10), rec(1, 0, 0, None, None, None, error="HTTP 500")]
+    m = compute_metrics(records)
+    assert (m.num_issued, m.num_completed, m.num_failed) == (2, 1, 1)
+    assert m.errors == {"HTTP 500": 1}
+    assert m.total_output_tokens == 10
+
+
+def test_goodput_counts_requests_meeting_both_limits():
+    records = [rec(0, 0, 0, 0.1, 1.0, 10),     # ttft 100 ms, tpot 100 ms
+               rec(1, 0, 0, 0.3, 1.2, 10),     # ttft 300 ms: fails TTFT 200
+               rec(2, 0, 0, 0.1, 2.0, 10)]     # tpot 211 ms: fails TPOT 150
+    m = compute_metrics(records, Limits(ttft_ms=200, tpot_ms=150))
+    assert m.goodput_rps == pytest.approx(1 / 2.0)
+
+
+def test_token_level_itl_spreads_multi_token_chunks():
+    r = rec(0, 0, 0, 1.0, 1.6, 5, chunks=[(1.0, 1), (1.2, 1), (1.6, 3)])
+    assert r.inter_token_gaps_s() == pytest.approx([0.2, 0.4 / 3, 0.4 / 3, 0.4 / 3])
+    m = compute_metrics([r])
+    assert m.itl_ms["count"] == 4
+    assert m.tpot_ms["p50"] == pytest.approx(150.0)   # 0.6 s / 4
+
+
+def test_itl_not_available_without_exact_chunk_counts():
+    r = rec(0, 0, 0, 1.0, 2.0, 5)
+    r.chunk_times_s = [1.0, 2.0]
+    assert r.inter_token_gaps_s() is None
+    assert compute_metrics([r]).itl_ms["count"] == 0
+
+
+def test_tokens_over_time_buckets():
+    r = rec(0, 0, 0, 0.5, 1.5, 3, chunks=[(0.5, 1), (1.2, 1), (1.5, 1)])
+    assert tokens_over_time([r], 1.0) == [(0.0, 1.0), (1.0, 2.0)]

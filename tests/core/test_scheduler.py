@@ -1,0 +1,134 @@
+"""The token-budget scheduler driven by a fake model (next token = a function of the whole context), with
+exact budgets, block ids, preemption and abort."""
+from __future__ import annotations
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.messages import RunnerOutput
+from tokenmill.core.request import FinishReason, Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.sampling_params import SamplingParams
+
+
+def fake_next_token(context: list[int]) -> int:
+    return (sum(context) * 31 + len(context)) % 1000 + 1
+
+
+def make(num_blocks=32, block_size=4, budget=16, max_seqs=8, caching=True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_model_len=1024), kv)
+
+
+def request(rid: str, n_prompt: int, max_tokens: int, start: int = 1) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(range(start, start + n_prompt)), params)
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    sampled = {}
+    for sr in out.scheduled:
+        if sr.sample:
+            ctx = list(s.requests[sr.request_id].all_token_ids)
+            sampled[sr.request_id] = [fake_next_token(ctx)]
+    s.update(out, RunnerOutput(sampled))
+    return out
+
+
+def run_all(s: Scheduler, reqs: list[Request], max_steps=1000) -> dict[str, list[int]]:
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(max_steps):
+        if s.num_unfinished == 0:
+            break
+        step(s)
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+def test_step_mixes_decodes_and_prefill_chunks_within_budget():
+    s = make(budget=10)
+    s.add_request(request("a", 3, 5))
+    out = step(s)
+    assert [(sr.request_id, sr.num_new_tokens, sr.start_position) for sr in out.scheduled] == [("a", 3, 0)]
+    s.add_request(request("b", 20, 5, start=100))
+    out = step(s)                          # a decodes 1 token, b gets a 9-token chunk
+    assert [(sr.request_id, sr.num_new_tokens, sr.sample) for sr in out.scheduled] == [("a", 1, True), ("b", 9, False)]
+    out = step(s)
+    assert [(sr.request_id, sr.num_new_tokens, sr.start_position) for sr in out.scheduled] == [("a", 1, 4), ("b", 9, 9)]
+    out = step(s)                          # b's last 2 prompt tokens: it samples its first token
+    assert [(sr.request_id, sr.num_new_tokens, sr.sample) for sr in out.scheduled] == [("a", 1, True), ("b", 2, True)]
+    assert s.requests["b"].num_output_tokens == 1
+
+
+def test_block_tables_are_exact():
+    s = make(block_size=4, budget=64)
+    s.add_request(request("a", 6, 4))
+    s.add_request(request("b", 3, 4, start=50))
+    out = step(s)
+    assert [sr.block_ids for sr in out.scheduled] == [[0, 1], [2]]
+    step(s)                                 # a: 7 tokens (2 blocks), b: 4 tokens (1 block)
+    out = step(s)                           # a: position 7 fits block 1; b: position 4 needs block 3
+    assert [sr.block_ids for sr in out.scheduled] == [[0, 1], [2, 3]]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2, budget=100)
+    for i in range(3):
+        s.add_request(request(str(i), 4, 3, start=10 * i + 1))
+    out = step(s)
+    assert [sr.request_id for sr in out.scheduled] == ["0", "1"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_then_resumption_gives_same_tokens():
+    reqs = lambda: [request(str(i), 6, 12, start=7 * i + 1) for i in range(4)]
+    roomy = run_all(make(num_blocks=64), reqs())
+    tight = make(num_blocks=9)             # 4 requests x up to 5 blocks each cannot all fit
+    got = run_all(tight, reqs())
+    assert tight.num_preemptions_total > 0
+    assert got == roomy
+    assert tight.kv.pool.num_free == 9
+
+
+def test_preempted_request_is_the_latest_and_resumes_first():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    s.add_request(request("old", 7, 20))
+    s.add_request(request("new", 7, 20, start=100))
+    step(s)                                # both admitted: 2 blocks each, pool full; 8 tokens each
+    step(s)                                # position 7 still fits in block 1
+    out = step(s)                          # old needs a 3rd block: the latest arrival is preempted
+    assert out.preempted_request_ids == ["new"]
+    assert [sr.request_id for sr in out.scheduled] == ["old"]
+    assert s.requests["new"].status == RequestStatus.PREEMPTED and s.requests["new"].num_computed_tokens == 0
+    assert s.waiting[0].request_id == "new"
+    assert s.requests["old"].status == RequestStatus.RUNNING
+
+
+def test_abort_frees_every_block_at_any_time():
+    s = make(num_blocks=16, budget=6)
+    s.add_request(request("a", 10, 50))
+    s.add_request(request("b", 10, 50, start=40))
+    step(s)                                 # a mid-prefill, b waiting
+    s.finish_requests(["a"], FinishReason.ABORT)
+    s.finish_requests("b", FinishReason.ABORT)
+    assert s.num_unfinished == 0
+    assert s.kv.pool.num_free == 16 and s.kv.usage == 0.0
+    out = s.schedule()
+    assert out.is_empty and sorted(out.finished_request_ids) == ["a", "b"]
+
+
+def test_prompt_that_never_fits_is_a_clear_error():
+    s = make(num_blocks=2, block_size=4)
+    try:
+        s.add_request(request("big", 8, 4))
+    except ValueError as e:
+        assert "8 prompt tokens" in str(e) and "8 tokens" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_request_never_outgrows_the_pool():
+    s = make(num_blocks=3, block_size=4)
+    got = run_all(s, [request("a", 4, 100)])
+    assert len(got["a"]) == 8               # capped at the 12-token pool
+    assert s.kv.pool.num_free == 3
