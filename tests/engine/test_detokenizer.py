@@ -188,6 +188,16 @@ def test_skip_special_tokens(smol):
     assert off == "Hi<|im_end|> there<|im_end|>" == smol.decode(ids, skip_special_tokens=False)
 
 
+def test_finish_releases_incomplete_trailing_bytes(smol):
+    """A request cut inside a character (max_tokens): finish() gives the text exactly as decode shows it."""
+    ids = smol.encode("ok 🎉")[:-1]
+    detok = IncrementalDetokenizer(smol, [])
+    assert joined(stream(detok, ids, finish=False)) == "ok"
+    tail = detok.finish().new_text
+    assert tail and REPLACEMENT_CHAR in tail
+    assert detok.text == smol.decode(ids)
+
+
 def test_prompt_ending_inside_a_character_does_not_leak_into_output(smol):
     ids = smol.encode("x🎉 ok")
     split = next(i for i in range(1, len(ids)) if REPLACEMENT_CHAR in smol.decode(ids[:i]))
@@ -327,6 +337,13 @@ def test_min_tokens_ignores_stop_strings_completed_earlier():
     updates = [detok.append([i]) for i in tok.ids("ab", "c", "a", "b")]
     assert [u.new_text for u in updates] == ["ab", "c", "", ""]
     assert updates[-1].stop_string == "ab" and detok.text == "abc"
+
+
+def test_min_tokens_ignores_a_stop_string_inside_a_held_back_prefix():
+    tok = PieceTokenizer(list("xabc"))
+    detok = IncrementalDetokenizer(tok, [], stop=["ab", "xaby"], min_tokens=4)
+    assert [detok.append([i]).new_text for i in tok.ids(*"xab")] == ["", "", ""]   # could be "xaby"
+    assert detok.append(tok.ids("c")) == DetokenizerUpdate("xabc", None)
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from tokenmill.sample import topk as topk_module
 from tokenmill.sample import truncation
 from tokenmill.sample.penalties import apply_penalties
 from tokenmill.sample.sampler import Sampler, SamplingMeta
@@ -21,11 +22,15 @@ def meta(params=None, prompt=(), output=(), eos=(), generator=None, **kw):
                         output_token_ids=list(output), eos_token_ids=list(eos))
 
 
-def frequencies(logits_row, params, num=NUM_DRAWS, seed=0):
-    """Empirical token frequencies from `num` independent rows of the same logits."""
-    logits = logits_row.expand(num, -1)                    # [num, vocab] view: must stay unmodified
-    out = Sampler(seed=seed)(logits, [meta(params)] * num)
-    return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.numel()).float() / num
+def frequencies(logits_row, params, num=NUM_DRAWS, seed=0, batch=4000):
+    """Empirical token frequencies from `num` independent rows of the same logits, `batch` rows a step."""
+    sampler = Sampler(seed=seed)
+    tokens = []
+    for start in range(0, num, batch):
+        rows = min(batch, num - start)
+        logits = logits_row.expand(rows, -1)               # [rows, vocab] view: must stay unmodified
+        tokens += sampler(logits, [meta(params)] * rows).token_ids
+    return torch.bincount(torch.tensor(tokens), minlength=logits_row.numel()).float() / num
 
 
 def reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -91,21 +96,21 @@ def test_min_p_drops_tokens_below_fraction_of_max():
 
 
 def test_top_p_threshold_matches_sort_reference_including_large_nucleus():
-    # vocab 2000 with flat rows: the nucleus exceeds TOP_P_FIRST_CANDIDATES and takes the full-sort path.
+    # vocab 2000: flat rows have nuclei past every candidate stage (full sort), peaked rows stop early.
     gen = torch.Generator().manual_seed(1)
     logits = torch.cat([torch.randn(3, 2000, generator=gen) * 0.3,     # flat: large nucleus
                         torch.randn(3, 2000, generator=gen) * 6.0])    # peaked: small nucleus
     temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.2])
     top_p = torch.tensor([0.9, 0.5, 0.99, 0.9, 0.5, 0.8])
-    row_max = logits.amax(-1)
-    probs = torch.exp((logits - row_max[:, None]) / temperature[:, None])
-    floor = torch.full((6,), float("-inf"))
-    thresholds = truncation.top_p_thresholds(logits, probs, row_max, temperature, top_p, floor)
+    probs = truncation.scaled_probs_(logits.clone(), temperature)            # [6, 2000], max 1
+    thresholds = truncation.top_p_thresholds(probs, top_p, torch.zeros(6))
     for r in range(6):
         expected = reference_probs(logits[r], temperature=float(temperature[r]), top_p=float(top_p[r]))
-        kept = logits[r] >= thresholds[r]
+        kept = probs[r] >= thresholds[r]
         assert torch.equal(kept, expected > 0), r
-    assert int((logits[0] >= thresholds[0]).sum()) > truncation.TOP_P_FIRST_CANDIDATES
+    sizes = (probs >= thresholds[:, None]).sum(-1).tolist()             # every search stage is used
+    first, second = truncation.TOP_P_CANDIDATES
+    assert min(sizes) <= first and any(first < n <= second for n in sizes) and max(sizes) > second
 
 
 def test_masked_vocab_padding_is_never_sampled():
@@ -120,15 +125,6 @@ def test_masked_vocab_padding_is_never_sampled():
 # ---------------------------------------------------------------- seeds and reproducibility
 
 SEEDED = SamplingParams(seed=1234, temperature=1.2, top_k=40, top_p=0.95)
-
-
-def run_steps(logits_fn, num_steps, batch_fn):
-    """Run a few steps; batch_fn(step) -> (logits [rows, vocab], metas, row of interest)."""
-    tokens = []
-    for step in range(num_steps):
-        logits, metas, row = batch_fn(step)
-        tokens.append(Sampler(seed=step)(logits, metas).token_ids[row])
-    return tokens
 
 
 def seeded_logits(step):
@@ -280,7 +276,7 @@ def test_row_count_mismatch_raises():
 
 def test_all_masked_row_raises_clear_error():
     logits = torch.full((1, 5), float("-inf"))
-    with pytest.raises(ValueError, match="no finite logit"):
+    with pytest.raises(ValueError, match="no finite best logit"):
         Sampler()(logits, [meta()])
 
 
@@ -298,3 +294,52 @@ def test_make_generator_accepts_any_int_seed():
     for seed in (0, -1, 2**70):
         assert isinstance(Sampler.make_generator(seed), torch.Generator)
     assert not math.isnan(Sampler(seed=-3)(torch.randn(1, 4), [meta()]).token_ids[0])
+
+
+# ---------------------------------------------------------------- two-level inverse-CDF draw
+
+def test_inverse_cdf_draw_matches_float64_reference():
+    gen = torch.Generator().manual_seed(2)
+    vocab = 2 * truncation.SAMPLE_CHUNK + 300                          # two full chunks and a short one
+    probs = torch.rand(3, vocab, generator=gen) ** 4
+    probs[0, :1500] = 0.0                                              # whole zero chunks
+    probs[1, ::2] = 0.0                                                # zeros interleaved
+    probs[2, :-1] = 0.0                                                # only the very last token
+    uniforms = torch.linspace(0, 1 - 2**-24, 997)
+    for r in range(3):
+        rows = probs[r].expand(uniforms.numel(), -1)
+        tokens = truncation.sample_inverse_cdf(rows, uniforms)
+        cdf = torch.cumsum(probs[r].double(), 0)
+        target = uniforms.double() * cdf[-1]
+        assert torch.all(probs[r][tokens] > 0)
+        before = torch.where(tokens > 0, cdf[(tokens - 1).clamp(min=0)], 0.0)
+        tol = 1e-5 * cdf[-1]
+        assert torch.all(before <= target + tol) and torch.all(target < cdf[tokens] + tol)
+
+
+def test_distribution_across_chunks_and_short_last_chunk():
+    vocab = 3 * truncation.SAMPLE_CHUNK + 17
+    logits = torch.full((vocab,), float("-inf"))
+    hot = [3, truncation.SAMPLE_CHUNK - 1, truncation.SAMPLE_CHUNK, 2500, vocab - 1]
+    logits[hot] = torch.tensor([0.5, 1.0, -0.5, 0.0, 1.5])
+    observed = frequencies(logits, SamplingParams(temperature=1.0))
+    expected = torch.softmax(logits, -1)
+    assert torch.allclose(observed, expected, atol=FREQ_ATOL)
+    assert set(observed.nonzero().flatten().tolist()) == set(hot)
+
+
+# ---------------------------------------------------------------- chunked top-k
+
+@pytest.mark.parametrize("vocab,k", [(4096, 5), (4096, 64), (4100, 20), (3000, 1), (200, 50)])
+def test_chunked_topk_matches_torch_topk(vocab, k):
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(6, vocab, generator=gen)
+    x[1] = torch.round(x[1])                                           # many ties
+    x[2, : vocab // 2] = float("-inf")
+    x[3] = -torch.arange(vocab, dtype=torch.float32)                   # best values in the first chunk
+    x[4] = torch.arange(vocab, dtype=torch.float32)                    # best values in the tail
+    values, indices = topk_module.topk(x, k)
+    expected = torch.topk(x, k, dim=-1).values
+    assert torch.equal(values, expected)
+    assert torch.equal(x.gather(1, indices), values)
+    assert all(len(set(row)) == k for row in indices.tolist())         # distinct elements

@@ -157,9 +157,11 @@ class BenchSession:
         self.meter.start()
         result = await run_scenario_async(self.sut, self.samples, scenario, self.cfg.limits,
                                           self.cfg.request_timeout_s, self.cfg.progress, prefix)
-        joules = self.meter.stop_joules()
-        verdict = judge(result, self.cfg.profile)
-        return Outcome(label or scenario.name, result, verdict, self._efficiency(result, joules))
+        return self.outcome(result, self.meter.stop_joules(), label or scenario.name)
+
+    def outcome(self, result: RunResult, joules: float | None, label: str) -> Outcome:
+        """Verdict and efficiency for a finished run."""
+        return Outcome(label, result, judge(result, self.cfg.profile), self._efficiency(result, joules))
 
     def _efficiency(self, result: RunResult, joules: float | None) -> Efficiency:
         m = result.metrics

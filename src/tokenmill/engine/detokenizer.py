@@ -3,25 +3,26 @@
 One `IncrementalDetokenizer` per completion. Each `append` costs O(ids since the last emitted text +
 total stop-string length), never O(output length):
 
-1. `_TextStream` turns ids into text with prefix/read offsets over a short window of recent ids (the scheme
-   of vLLM and of `tokenizers.decoders.DecodeStream`). It holds back text while the decoded window ends
-   in U+FFFD (a UTF-8 character split over tokens), and decodes a few prompt tokens in front of the first
-   output token so SentencePiece-style decoders keep that token's leading space.
+1. A text stream turns ids into text with prefix/read offsets over a short window of recent ids (the
+   scheme of vLLM and of `tokenizers.decoders.DecodeStream`). It holds back text while the decoded window
+   ends in U+FFFD (a UTF-8 character split over tokens), and decodes a few prompt tokens in front of the
+   first output token so SentencePiece-style decoders keep that token's leading space.
+   `_LibraryTextStream` runs DecodeStream itself for Rust tokenizers, adding what it lacks: `flush()` of
+   incomplete trailing bytes when a request ends, dropping skipped special ids before they grow its
+   window, a prompt context that cannot leak prompt text, and no exception on a prefix mismatch.
+   `_TextStream` is the same scheme in Python, for any other tokenizer and as that fallback.
 2. `_StopMatcher` finds stop strings in the text and holds back any suffix that could still start one,
    so streamed text is never taken back.
-
-Why not `DecodeStream` itself: it cannot release incomplete trailing bytes when a request ends, lets the
-prompt's text leak into the output when the prompt's tail decodes to a trailing U+FFFD, raises on a prefix
-mismatch, and works only with a Rust tokenizer. The tests check this stream against it.
 """
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Sequence
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded in front of the first output token (vLLM uses the same count): enough for any
@@ -30,6 +31,17 @@ NUM_CONTEXT_TOKENS = 5
 _MAX_CONTEXT_SCAN = 64           # prompt tokens looked at to find NUM_CONTEXT_TOKENS not skipped ones
 
 Decode = Callable[[list[int]], str]
+
+
+def _decode_stream_takes_ids() -> bool:
+    try:
+        DecodeStream(ids=[], skip_special_tokens=True)     # `ids` (prompt context) is new in tokenizers 0.22
+    except TypeError:
+        return False
+    return True
+
+
+_DECODE_STREAM_TAKES_IDS = _decode_stream_takes_ids()
 
 
 @dataclass(slots=True)
@@ -57,9 +69,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
                  min_tokens: int = 0) -> None:
-        decode, skipped_ids = _decoder_for(tokenizer, skip_special_tokens)
-        context_ids = _prompt_context(prompt_token_ids, skipped_ids)
-        self._stream = _TextStream(decode, context_ids, skipped_ids)
+        self._stream = _make_text_stream(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stops = _StopMatcher(stop, include_stop_str_in_output) if stop else None
         self._min_tokens = min_tokens
         self._num_output_tokens = 0
@@ -90,7 +100,9 @@ class IncrementalDetokenizer:
         self._num_output_tokens += len(token_ids)
         delta = self._stream.append(token_ids)
         if self._stops is None:
-            return self._emit(delta, None)
+            if delta:
+                self._text_parts.append(delta)
+            return DetokenizerUpdate(delta)
         can_match = self._num_output_tokens >= self._min_tokens
         new_text, stop_string = self._stops.feed(delta, can_match=can_match, final=False)
         return self._emit(new_text, stop_string)
@@ -119,7 +131,7 @@ class IncrementalDetokenizer:
 
 
 class _TextStream:
-    """Token ids -> text deltas over a window `ids` of recent token ids.
+    """Token ids -> text deltas over a window `ids` of recent token ids, for any tokenizer's `decode`.
 
     Invariants: `prefix_text == decode(ids[:read_index])` is text already emitted (or prompt context);
     `ids[read_index:]` are ids whose text is not emitted yet. On each emission the window restarts at the
@@ -132,13 +144,17 @@ class _TextStream:
     def __init__(self, decode: Decode, context_ids: list[int], skipped_ids: frozenset[int]) -> None:
         self._decode = decode
         self._skipped_ids = skipped_ids
-        self._ids = context_ids
-        self._prefix_text = decode(context_ids) if context_ids else ""
+        self._ids = list(context_ids)
+        self._prefix_text = decode(self._ids) if self._ids else ""
         if self._prefix_text.endswith(_REPLACEMENT_CHAR):
             # The prompt ends inside a character: decode the output on its own rather than
             # let a completed prompt character shift the text.
             self._ids, self._prefix_text = [], ""
         self._read_index = len(self._ids)
+
+    @property
+    def window_size(self) -> int:
+        return len(self._ids)
 
     def append(self, token_ids: Sequence[int]) -> str:
         if self._skipped_ids:
@@ -159,13 +175,78 @@ class _TextStream:
         return self._advance(text) if len(text) > len(self._prefix_text) else ""
 
     def _advance(self, text: str) -> str:
-        # A well-formed decoder gives text.startswith(prefix_text); if one does not, slice anyway
-        # (as vLLM does) rather than fail the request.
+        # A well-behaved decoder gives text.startswith(prefix_text). Byte-fallback decoders do not when a
+        # stray byte token turns an emitted character into U+FFFDs; slice anyway (as vLLM does): streamed
+        # text is never taken back.
         new_text = text[len(self._prefix_text):]
         del self._ids[:self._read_index]
         self._read_index = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         return new_text
+
+
+class _LibraryTextStream:
+    """The same scheme run by `tokenizers.decoders.DecodeStream` (both decodes of a step inside one Rust
+    call: several times cheaper per token than `_TextStream`), plus a mirror of its window: `read_ids`
+    (ids whose text is emitted) and `unread_ids` (ids not emitted yet). The mirror serves `flush()`, and
+    the switch to `_TextStream` when DecodeStream raises on a prefix mismatch (see `_TextStream._advance`).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool, context_ids: list[int],
+                 skipped_ids: frozenset[int]) -> None:
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._skipped_ids = skipped_ids
+        if context_ids and backend.decode(context_ids, skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+            context_ids = []          # the prompt ends inside a character: see _TextStream
+        self._read_ids = context_ids
+        self._unread_ids: list[int] = []
+        self._stream = DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
+        self._fallback: _TextStream | None = None
+
+    @property
+    def window_size(self) -> int:
+        if self._fallback is not None:
+            return self._fallback.window_size
+        return len(self._read_ids) + len(self._unread_ids)
+
+    def append(self, token_ids: Sequence[int]) -> str:
+        if self._fallback is not None:
+            return self._fallback.append(token_ids)
+        if len(token_ids) == 1:                   # the common case, kept cheap: one int, no list copies
+            step_arg = token_ids[0]
+            if step_arg in self._skipped_ids:
+                return ""
+        else:
+            token_ids = step_arg = [t for t in token_ids if t not in self._skipped_ids]
+            if not token_ids:
+                return ""
+        try:
+            text = self._stream.step(self._backend, step_arg)
+        except Exception:             # the library's prefix mismatch; other errors recur in _TextStream
+            return self._switch_to_python(token_ids)
+        if text is None:
+            self._unread_ids += token_ids
+            return ""
+        self._read_ids = self._unread_ids + list(token_ids) if self._unread_ids else list(token_ids)
+        self._unread_ids = []                                  # read_ids: DecodeStream's new window
+        return text
+
+    def flush(self) -> str:
+        if self._fallback is not None:
+            return self._fallback.flush()
+        if not self._unread_ids:
+            return ""
+        prefix_text = self._decode(self._read_ids)
+        text = self._decode(self._read_ids + self._unread_ids)
+        return text[len(prefix_text):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, self._skip)
+
+    def _switch_to_python(self, token_ids: Sequence[int]) -> str:
+        self._fallback = _TextStream(self._decode, self._read_ids, self._skipped_ids)
+        return self._fallback.append(self._unread_ids + list(token_ids))
 
 
 class _StopMatcher:
@@ -185,7 +266,12 @@ class _StopMatcher:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"invalid stop strings {stop!r}: expected non-empty strings")
         self._stops = tuple(dict.fromkeys(stop))
-        self._first_chars = frozenset(s[0] for s in self._stops)
+        self._stops_by_first_char: dict[str, tuple[str, ...]] = {}
+        for s in self._stops:
+            self._stops_by_first_char[s[0]] = self._stops_by_first_char.get(s[0], ()) + (s,)
+        # Finds any character that starts a stop string: text without one (and no held-back tail) is safe.
+        self._first_char_re = re.compile("[" + "".join(map(re.escape, self._stops_by_first_char)) + "]")
+        self._any_stop_re = re.compile("|".join(map(re.escape, self._stops)))
         self._max_len = max(len(s) for s in self._stops)
         self._include = include_stop_str_in_output
         self._tail = ""
@@ -193,10 +279,12 @@ class _StopMatcher:
 
     def feed(self, delta: str, *, can_match: bool, final: bool) -> tuple[str, str | None]:
         """Returns (text to stream, the stop string that matched or None)."""
+        if not self._tail and self._first_char_re.search(delta) is None:
+            return delta, None                # the common case: no stop string can start in this text
         old_len = len(self._tail)
         tail = self._tail + delta
-        if can_match and delta:
-            match = self._first_match(tail, old_len)
+        if can_match and delta and self._any_stop_re.search(tail, max(0, old_len - self._max_len + 1)):
+            match = self._first_match(tail, old_len)   # exact rule, on the rare steps that have a match
             if match is not None:
                 start, stop = match
                 cut = start + len(stop) if self._include else start
@@ -213,25 +301,31 @@ class _StopMatcher:
 
     def _first_match(self, tail: str, old_len: int) -> tuple[int, str] | None:
         """The match ending first (ties: starting first) among those ending after tail[:old_len]."""
-        best: tuple[int, int, str] | None = None        # (end, start, stop string)
+        best_end, best_start, best_stop = len(tail) + 1, 0, None
         for stop in self._stops:
-            start = tail.find(stop, 0)
-            if start >= 0:
-                key = (start + len(stop), start, stop)
-                if best is None or key[:2] < best[:2]:
-                    best = key
-        return None if best is None else (best[1], best[2])
+            start = tail.find(stop, max(0, old_len - len(stop) + 1))
+            if start >= 0 and (start + len(stop), start) < (best_end, best_start):
+                best_end, best_start, best_stop = start + len(stop), start, stop
+        return None if best_stop is None else (best_start, best_stop)
 
     def _held_back_start(self, tail: str) -> int:
         """Smallest i with tail[i:] a proper prefix of some stop string; len(tail) if none."""
-        first_chars = self._first_chars
-        for i in range(max(0, len(tail) - self._max_len + 1), len(tail)):
-            if tail[i] not in first_chars:
-                continue
-            suffix = tail[i:]
-            if any(len(s) > len(suffix) and s.startswith(suffix) for s in self._stops):
-                return i
-        return len(tail)
+        best = len(tail)
+        low = max(0, best - self._max_len + 1)
+        for first_char, stops in self._stops_by_first_char.items():
+            i = tail.find(first_char, low, best)       # candidates: the first char of one of `stops`
+            while i >= 0 and not _is_proper_prefix(tail[i:], stops):
+                i = tail.find(first_char, i + 1, best)
+            if i >= 0:
+                best = i
+        return best
+
+
+def _is_proper_prefix(text: str, stops: tuple[str, ...]) -> bool:
+    for s in stops:
+        if len(s) > len(text) and s.startswith(text):
+            return True
+    return False
 
 
 def _prompt_context(prompt_token_ids: Sequence[int], skipped_ids: frozenset[int]) -> list[int]:
@@ -247,16 +341,18 @@ def _prompt_context(prompt_token_ids: Sequence[int], skipped_ids: frozenset[int]
     return context
 
 
-def _decoder_for(tokenizer, skip_special_tokens: bool) -> tuple[Decode, frozenset[int]]:
-    """(decode(ids) -> str matching tokenizer.decode(ids, skip_special_tokens), ids that decode to nothing).
-
-    Uses the Rust tokenizer directly when the Python wrapper would not change its text (saves the
-    wrapper's overhead on every step); any other tokenizer goes through its own `decode`."""
-    backend = _rust_backend(tokenizer)
+def _make_text_stream(tokenizer, prompt_token_ids: Sequence[int],
+                      skip_special_tokens: bool) -> _TextStream | _LibraryTextStream:
+    """DecodeStream when the tokenizer is (or wraps, without changing its text) a Rust `tokenizers.Tokenizer`;
+    otherwise `_TextStream` over the tokenizer's own `decode`."""
+    backend = _rust_backend(tokenizer) if _DECODE_STREAM_TAKES_IDS else None
     if backend is None:
-        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)), frozenset()
-    skipped = _special_ids(tokenizer, backend) if skip_special_tokens else frozenset()
-    return partial(backend.decode, skip_special_tokens=skip_special_tokens), skipped
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _TextStream(decode, _prompt_context(prompt_token_ids, frozenset()), frozenset())
+    skipped_ids = _special_ids(tokenizer, backend) if skip_special_tokens else frozenset()
+    context_ids = _prompt_context(prompt_token_ids, skipped_ids)
+    return _LibraryTextStream(backend, skip_special_tokens, context_ids, skipped_ids)
 
 
 def _rust_backend(tokenizer) -> tokenizers.Tokenizer | None:

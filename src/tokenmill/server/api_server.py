@@ -5,6 +5,7 @@ Authentication (when an API key is set) covers /v1/*, /tokenize and /detokenize;
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import signal
@@ -29,6 +30,7 @@ from tokenmill.server.streaming import until_disconnect
 logger = logging.getLogger("tokenmill.server")
 router = APIRouter()
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_ABORT_SLACK_S = 5.0   # after the grace time and the aborts, uvicorn cancels whatever is still running
 
 
 def _serving(request: Request) -> Serving:
@@ -148,18 +150,31 @@ class RequestGuard:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT also marks the app as draining (health 503, new work 503)."""
+    """uvicorn plus a drain: the first SIGTERM/SIGINT marks the app as draining (/health 503, new work 503)
+    while uvicorn stops accepting connections; in-flight requests may finish for `shutdown_grace_s`, then
+    are aborted, so their responses still end properly (finish_reason "abort", `data: [DONE]`)."""
 
     def __init__(self, config: uvicorn.Config, serving: Serving) -> None:
         super().__init__(config)
         self.serving = serving
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.serving.draining:
-            logger.info("signal %s: draining, up to %.1f s for in-flight requests", sig,
-                        self.serving.config.shutdown_grace_s)
+        if not self.serving.draining and self.loop is not None:
+            grace_s = self.serving.config.shutdown_grace_s
+            logger.info("signal %s: draining, %.1f s for in-flight requests", sig, grace_s)
+            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self._abort_in_flight)
         self.serving.draining = True
         super().handle_exit(sig, frame)
+
+    def _abort_in_flight(self) -> None:
+        if self.serving.live_calls:
+            logger.warning("grace time over: aborting %d in-flight requests", len(self.serving.live_calls))
+        asyncio.ensure_future(self.serving.abort_all())
 
 
 @contextmanager
@@ -178,7 +193,7 @@ def run_server(engine, config: ServerConfig, max_num_seqs: int) -> int:
     """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then are aborted. Returns 0."""
     app = build_app(engine, config, max_num_seqs)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               access_log=False, timeout_graceful_shutdown=config.shutdown_grace_s,
+                               access_log=False, timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_SLACK_S,
                                lifespan="off", ws="none")
     server = _Server(uv_config, app.state.serving)
     logger.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)

@@ -21,6 +21,9 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "log_level", self.log_level.lower())
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"log_level must be one of critical, error, warning, info, debug; got {self.log_level!r}")
         _at_least("port", self.port, 0)
         _at_least("max_waiting_requests", self.max_waiting_requests, 0)
         _at_least("max_n", self.max_n, 1)
@@ -46,7 +49,9 @@ class ServerConfig:
                        help="larger request bodies get 413")
         g.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time to finish in-flight requests before aborting them")
-        g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+        # SUPPRESS: `tokenmill --log-level X serve` keeps the main CLI's value.
+        g.add_argument("--log-level", default=argparse.SUPPRESS, type=str.lower,
+                       choices=["critical", "error", "warning", "info", "debug"])
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerConfig":

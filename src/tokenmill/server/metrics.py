@@ -66,6 +66,10 @@ class ServerMetrics:
         if m.first_token_time is not None and m.finished_time is not None:
             self.decode.labels(name).observe(m.finished_time - m.first_token_time)
 
+    def count_aborted(self, num_completions: int) -> None:
+        """Completions aborted because their client went away (no timings to observe)."""
+        self.success.labels(self.model_name, "abort").inc(num_completions)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -40,6 +40,11 @@ class Admission:
         self.num_in_flight = 0   # sequences (prompts x n) admitted and not yet closed
 
     def acquire(self, num_seqs: int) -> None:
+        capacity = self.max_running + self.max_waiting
+        if num_seqs > capacity:   # retrying would not help: a client mistake, not a full queue
+            raise bad_request(f"the request needs {num_seqs} sequences (prompts x n), more than this server holds "
+                              f"at once ({capacity}: a batch of {self.max_running} plus {self.max_waiting} waiting)",
+                              param="n")
         over_total = self.num_in_flight + num_seqs > self.max_running + self.max_waiting
         num_waiting = self.engine.stats().num_waiting
         over_queue = num_waiting > 0 and num_waiting + num_seqs > self.max_waiting
@@ -62,6 +67,13 @@ class Serving:
     metrics: ServerMetrics
     admission: Admission
     draining: bool = False
+    live_calls: set = field(default_factory=set)   # EngineCalls not yet closed
+
+    async def abort_all(self) -> None:
+        """End every in-flight request with finish_reason "abort"; their responses then complete normally."""
+        for call in list(self.live_calls):
+            for engine_id in list(call.unfinished):
+                await self.engine.abort(engine_id)
 
     @property
     def model_name(self) -> str:
@@ -139,7 +151,9 @@ class Serving:
         self.check_accepting()
         num_seqs = len(prompts) * params.n
         self.admission.acquire(num_seqs)
-        return EngineCall(self, request_id, prompts, params, num_seqs)
+        call = EngineCall(self, request_id, prompts, params, num_seqs)
+        self.live_calls.add(call)
+        return call
 
 
 def _as_tuple(stop: str | list[str] | None) -> tuple[str, ...] | None:
@@ -205,16 +219,22 @@ class EngineCall:
         except ValueError as e:
             self.unfinished.discard(engine_id)
             raise from_value_error(e) from None
+        except RuntimeError as e:   # EngineDeadError: the engine thread has stopped
+            self.unfinished.discard(engine_id)
+            raise OpenAIError(503, f"the engine is not running: {e}", type="server_error",
+                              code="engine_dead") from None
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.serving.admission.release(self.num_seqs)
+        self.serving.live_calls.discard(self)
         with anyio.CancelScope(shield=True):
             for engine_id in list(self.unfinished):
                 self.unfinished.discard(engine_id)
                 await self.serving.engine.abort(engine_id)
+                self.serving.metrics.count_aborted(self.params.n)   # nobody reads their final output
 
     def usage(self) -> Usage:
         """Usage over the final outputs (prompt tokens once per prompt, every generated token)."""

@@ -40,8 +40,8 @@ class ModelRunner:
         num_slots = num_blocks * self.block_size
         caches = []
         for layer in self.model.attention_layers():
-            k = torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
-            v = torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
+            k = _lazy_zeros((num_slots, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+            v = _lazy_zeros((num_slots, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
             caches.append((k, v))
         return caches
@@ -71,3 +71,12 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[sr.request_id] = Sampler.make_generator(sr.params.seed)
         return SamplingMeta(sr.params, gen, sr.prompt_token_ids, sr.output_token_ids, sr.eos_token_ids)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose pages the OS provides on first touch (calloc), so a large pool costs nothing at
+    start-up. Zero, not garbage: padded attention reads must see finite values."""
+    import numpy as np
+    if dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, dtype=dtype)

@@ -7,6 +7,7 @@ from typing import Callable
 from tokenmill.bench.records import RequestRecord, Sample
 
 Clock = Callable[[], float]     # seconds since the run start (time.perf_counter based)
+FirstTokenHook = Callable[[RequestRecord], None] | None   # called once, as the first token arrives
 
 
 class SUT(ABC):
@@ -21,7 +22,8 @@ class SUT(ABC):
         """Load / connect before the timed run."""
 
     @abstractmethod
-    async def process(self, sample: Sample, record: RequestRecord, clock: Clock) -> None:
+    async def process(self, sample: Sample, record: RequestRecord, clock: Clock,
+                      on_first_token: FirstTokenHook = None) -> None:
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -7,13 +7,17 @@ sent only when a sample asks for them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
+from typing import AsyncIterator
+from urllib.parse import urlsplit
 
 import httpx
 
 from tokenmill.bench.records import RequestRecord, Sample
-from tokenmill.bench.sut.base import SUT, Clock
+from tokenmill.bench.sut.base import SUT, Clock, FirstTokenHook
+from tokenmill.bench.sut.raw_http import HttpStatusError, RawHttpClient, StreamDropped
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,9 @@ class HttpSUT(SUT):
     def __init__(self, config: HttpConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None     # model discovery; streaming over https
+        self._raw: RawHttpClient | None = None             # streaming over plain http (low CPU per request)
+        self._path = urlsplit(config.v1_url).path
         self._model = config.model
 
     async def start(self) -> None:
@@ -47,6 +53,8 @@ class HttpSUT(SUT):
         limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         self._client = httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout)
+        if cfg.base_url.startswith("http://"):
+            self._raw = RawHttpClient(cfg.base_url, headers, cfg.connect_timeout_s)
         if self._model is None:
             self._model = await self._discover_model()
 
@@ -70,40 +78,59 @@ class HttpSUT(SUT):
             body["min_tokens"] = sample.min_output_tokens
         return body
 
-    async def process(self, sample: Sample, record: RequestRecord, clock: Clock) -> None:
+    async def process(self, sample: Sample, record: RequestRecord, clock: Clock,
+                      on_first_token: FirstTokenHook = None) -> None:
         try:
-            await self._stream(sample, record, clock)
-        except httpx.ConnectError as e:
-            record.error = f"connection failed: {e}" if str(e) else "connection failed"
-        except httpx.RemoteProtocolError as e:
+            await asyncio.wait_for(self._stream(sample, record, clock, on_first_token), self.config.request_timeout_s)
+        except HttpStatusError as e:
+            record.error = str(e)
+        except StreamDropped as e:
             record.error = f"stream dropped after {len(record.chunk_times_s)} chunks ({e})"
-        except httpx.TimeoutException:
-            record.error = f"timed out ({type(self).__name__} request timeout {self.config.request_timeout_s} s)"
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        except asyncio.TimeoutError:
+            record.error = f"timed out (request timeout {self.config.request_timeout_s:g} s)"
+        except OSError as e:     # ConnectionRefusedError, ConnectionError, ...
+            record.error = f"connection failed: {type(e).__name__}: {e}"
+        except (ValueError, KeyError, TypeError) as e:
             record.error = f"stream broken: {type(e).__name__}: {e}"
         if record.error is None and record.num_output_tokens is None:
             self._count_by_retokenizing(record)
 
-    async def _stream(self, sample: Sample, record: RequestRecord, clock: Clock) -> None:
+    async def _lines(self, body: dict) -> AsyncIterator[bytes]:
+        """Response body lines from either transport; errors as HttpStatusError / StreamDropped / OSError."""
+        if self._raw is not None:
+            async for line in self._raw.post_lines(self._path + "/completions", json.dumps(body).encode()):
+                yield line
+            return
+        try:
+            async with self._client.stream("POST", self.config.v1_url + "/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise HttpStatusError(resp.status_code, await resp.aread())
+                async for line in resp.aiter_lines():
+                    yield line.encode()
+        except httpx.RemoteProtocolError as e:
+            raise StreamDropped(str(e)) from None
+        except httpx.ConnectError as e:
+            raise ConnectionError(str(e)) from None
+
+    async def _stream(self, sample: Sample, record: RequestRecord, clock: Clock, hook: FirstTokenHook) -> None:
+        body = self.body(sample)
         record.sent_s = clock()
-        async with self._client.stream("POST", self.config.v1_url + "/completions", json=self.body(sample)) as resp:
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode("utf-8", "replace")[:200]
-                record.error = f"HTTP {resp.status_code}: {detail}"
+        done = False
+        async for line in self._lines(body):
+            if done or not line.startswith(b"data:"):
+                continue                      # read to the end so the connection can be reused
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                continue
+            had_first = record.first_token_s is not None
+            self._on_event(json.loads(data), record, clock())
+            if hook is not None and not had_first and record.first_token_s is not None:
+                hook(record)
+            if record.error:
                 return
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                self._on_event(json.loads(data), record, clock())
-                if record.error:
-                    return
         if not done:
-            record.error = f"stream dropped after {len(record.chunk_times_s)} chunks (no [DONE])"
+            raise StreamDropped("no [DONE]")
 
     def _on_event(self, event: dict, record: RequestRecord, now_s: float) -> None:
         if "error" in event:
@@ -153,6 +180,8 @@ class HttpSUT(SUT):
                     r.chunk_num_tokens = counts
 
     async def close(self) -> None:
+        if self._raw is not None:
+            await self._raw.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

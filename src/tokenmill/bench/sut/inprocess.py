@@ -5,7 +5,7 @@ Token counts and per-update token counts are exact: they come from the engine's 
 from __future__ import annotations
 
 from tokenmill.bench.records import RequestRecord, Sample
-from tokenmill.bench.sut.base import SUT, Clock
+from tokenmill.bench.sut.base import SUT, Clock, FirstTokenHook
 
 
 class InProcessSUT(SUT):
@@ -36,7 +36,8 @@ class InProcessSUT(SUT):
         return SamplingParams(temperature=self.temperature, max_tokens=sample.max_output_tokens,
                               min_tokens=sample.min_output_tokens, ignore_eos=sample.ignore_eos)
 
-    async def process(self, sample: Sample, record: RequestRecord, clock: Clock) -> None:
+    async def process(self, sample: Sample, record: RequestRecord, clock: Clock,
+                      on_first_token: FirstTokenHook = None) -> None:
         prompt = list(sample.prompt) if isinstance(sample.prompt, tuple) else sample.prompt
         counts: list[int] = []
         record.chunk_num_tokens = counts
@@ -49,6 +50,8 @@ class InProcessSUT(SUT):
                 if comp.new_token_ids:
                     if record.first_token_s is None:
                         record.first_token_s = now
+                        if on_first_token is not None:
+                            on_first_token(record)
                     record.chunk_times_s.append(now)
                     counts.append(len(comp.new_token_ids))
                     record.completed_s = now

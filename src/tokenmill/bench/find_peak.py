@@ -1,0 +1,115 @@
+"""find-peak: the highest target QPS whose Server run meets the latency limits, like LoadGen's
+FindPeakPerformance: check a lower bound, widen the upper bound by doubling until a run fails, binary
+search between them to a relative precision, then a confirming run at the found QPS (backing off by
+one precision step after a failed confirmation).
+
+As in LoadGen, the search tests performance constraints only (p99 TTFT and TPOT within the limits;
+here also no failed request); each run's full verdict (duration, query count, early stopping) is
+reported in the table.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.bench.scenarios import ServerScenario
+from tokenmill.bench.session import BenchSession, Outcome
+
+
+@dataclass(frozen=True)
+class PeakSearchConfig:
+    start_qps: float                   # lower bound to check first (LoadGen: the user's target_qps)
+    precision: float = 0.05            # stop when (upper - lower) / lower <= this
+    max_runs: int = 12                 # hard cap on Server runs, confirmations included
+    time_budget_s: float | None = None # no new run starts after this many seconds of searching
+    max_halvings: int = 3              # if the start fails, halve it up to this many times
+    max_backoffs: int = 2              # failed confirmations tolerated (each backs off one step)
+    min_duration_s: float = 600.0      # s per Server run
+    min_query_count: int = 100
+    max_query_count: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class PeakResult:
+    peak_qps: float | None             # None: no QPS met the limits
+    peak: Outcome | None               # the confirming run at peak_qps
+    runs: list[Outcome] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    stopped_by_max_runs: bool = False  # the run cap or the time budget ended the search
+
+
+def meets_limits(o: Outcome) -> bool:
+    return bool(o.verdict.perf_constraints_met) and o.result.metrics.num_failed == 0
+
+
+def table_row(o: Outcome, phase: str) -> dict:
+    m = o.result.metrics
+    return {"phase": phase, "target_qps": o.result.target_qps, "num_queries": m.num_issued,
+            "completed_tokens_per_s": m.completed_tokens_per_s, "ttft_p99_ms": m.ttft_ms.get("p99"),
+            "tpot_p99_ms": m.tpot_ms.get("p99"), "failed": m.num_failed, "meets_limits": meets_limits(o),
+            "verdict": o.verdict.label}
+
+
+class _Search:
+    def __init__(self, session: BenchSession, cfg: PeakSearchConfig):
+        self.session, self.cfg, self.result = session, cfg, PeakResult(None, None)
+        self.t0 = time.perf_counter()
+
+    def _out_of_budget(self, ignore_time: bool) -> bool:
+        budget = self.cfg.time_budget_s
+        return len(self.result.runs) >= self.cfg.max_runs or (
+            not ignore_time and budget is not None and time.perf_counter() - self.t0 > budget)
+
+    async def run(self, qps: float, phase: str, ignore_time: bool = False) -> Outcome | None:
+        if self._out_of_budget(ignore_time):
+            self.result.stopped_by_max_runs = True
+            return None
+        c = self.cfg
+        sc = ServerScenario(qps, c.min_duration_s, c.min_query_count, c.max_query_count,
+                            seed=c.seed + len(self.result.runs))
+        o = await self.session.run(sc, label=f"Server @ {qps:.4g} QPS ({phase})", prefix=f"{phase}{len(self.result.runs)}")
+        self.result.runs.append(o)
+        self.result.rows.append(table_row(o, phase))
+        return o
+
+
+async def find_peak(session: BenchSession, cfg: PeakSearchConfig) -> PeakResult:
+    s = _Search(session, cfg)
+    lower, o = cfg.start_qps, await s.run(cfg.start_qps, "base")
+    for _ in range(cfg.max_halvings):                    # find a passing lower bound
+        if o is None or meets_limits(o):
+            break
+        lower /= 2
+        o = await s.run(lower, "base")
+    if o is None or not meets_limits(o):
+        return s.result
+    upper = None
+    while upper is None:                                 # widen [l, 2l) until a run fails
+        o = await s.run(lower * 2, "widen")
+        if o is None:
+            break
+        if meets_limits(o):
+            lower *= 2
+        else:
+            upper = lower * 2
+    while upper is not None and (upper - lower) / lower > cfg.precision:
+        mid = (lower + upper) / 2
+        o = await s.run(mid, "bisect")
+        if o is None:
+            break
+        lower, upper = (mid, upper) if meets_limits(o) else (lower, mid)
+    await _confirm(s, lower)
+    return s.result
+
+
+async def _confirm(s: _Search, qps: float) -> None:
+    """Confirm the found QPS (the first confirmation may overrun the time budget, not the run cap)."""
+    for attempt in range(s.cfg.max_backoffs + 1):
+        o = await s.run(qps, "confirm", ignore_time=attempt == 0)
+        if o is None:
+            return
+        if meets_limits(o):
+            s.result.peak_qps, s.result.peak = qps, o
+            return
+        qps *= 1.0 - s.cfg.precision                      # back off one step

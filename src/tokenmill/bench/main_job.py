@@ -1,0 +1,97 @@
+"""`make run`: the main job. On the default model, in-process: an Offline run, then find-peak for the
+Server scenario (llama3.1-8b limits: p99 TTFT <= 2 s, p99 TPOT <= 100 ms), then a summary and a
+Markdown report under results/. Development length (a few minutes on a 2-core CPU), and the report
+says so plainly.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+
+from tokenmill.bench.find_peak import PeakSearchConfig, find_peak
+from tokenmill.bench.profiles import get_profile
+from tokenmill.bench.report import console_summary, write_report
+from tokenmill.bench.scenarios import OfflineScenario
+from tokenmill.bench.session import BenchConfig, BenchSession
+from tokenmill.bench.workflows import peak_sections, ratio_section
+
+
+@dataclass(frozen=True)
+class MainJobConfig:
+    profile: str = "llama3.1-8b"
+    num_samples: int = 16              # synthetic samples (Offline issues all of them at t = 0)
+    prompt_len: str = "64"             # tokens
+    output_len: str = "64"             # tokens, exact (ignore_eos)
+    min_duration_s: float = 10.0       # s per Server run (MLPerf: 600 s)
+    min_query_count: int = 12          # per Server run (dev setting)
+    max_query_count: int = 24          # cap per Server run, keeps the job to minutes
+    start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
+    precision: float = 0.2             # relative QPS precision of the peak search
+    max_runs: int = 5                  # Server runs in the peak search, confirmation included
+    search_budget_s: float = 180.0     # s; no new search run starts after this (the confirmation may)
+    seed: int = 0
+
+
+def _bench_config(job: MainJobConfig) -> BenchConfig:
+    profile = get_profile(job.profile).with_dev_length(job.min_duration_s, job.min_query_count)
+    return BenchConfig(profile=profile, num_samples=job.num_samples, prompt_len=job.prompt_len,
+                       output_len=job.output_len, seed=job.seed, request_timeout_s=300.0)
+
+
+async def _run(job: MainJobConfig, cfg: BenchConfig):
+    async with BenchSession(cfg) as session:
+        offline = await session.run(OfflineScenario(job.num_samples, job.seed), label="Offline")
+        print(console_summary(offline, cfg.profile), flush=True)
+        rps = offline.result.metrics.request_throughput_rps or 0.1
+        search = PeakSearchConfig(max(0.02, round(job.start_qps_fraction * rps, 3)), job.precision, job.max_runs,
+                                  min_duration_s=job.min_duration_s, min_query_count=job.min_query_count,
+                                  max_query_count=job.max_query_count, seed=job.seed,
+                                  time_budget_s=job.search_budget_s)
+        peak = await find_peak(session, search)
+    return offline, peak
+
+
+def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list[str], dict]:
+    server = peak.peak
+    ratio_lines, ratio = ratio_section(server, offline)
+    lines = ["## Summary", "",
+             f"- Model: the default model, in-process; synthetic prompts of {job.prompt_len} tokens, exactly "
+             f"{job.output_len} output tokens each (greedy, prefix caching off).",
+             f"- Offline: **{offline.result.metrics.tokens_per_s:.1f} tokens/s** over {job.num_samples} samples "
+             f"({offline.verdict.label}).",
+             (f"- Server peak (p99 TTFT <= {cfg.profile.ttft_limit_ms:g} ms, p99 TPOT <= {cfg.profile.tpot_limit_ms:g} ms): "
+              f"**{peak.peak_qps:.3g} QPS, {server.result.metrics.completed_tokens_per_s:.1f} completed tokens/s** "
+              f"(full verdict {server.verdict.label})") if server else
+             "- Server: no target QPS met the latency limits in this search.",
+             f"- Server runs are {job.min_duration_s:g} s / at least {job.min_query_count} queries "
+             f"(at most {job.max_query_count}): far too few for MLPerf's early stopping (662 queries to certify a "
+             f"p99 estimate), so their full verdicts are INVALID by design; the search itself uses the latency "
+             f"limits, as LoadGen's FindPeakPerformance does.", ""]
+    summary = {"offline_tokens_per_s": offline.result.metrics.tokens_per_s, "peak_qps": peak.peak_qps,
+               "server_completed_tokens_per_s": server.result.metrics.completed_tokens_per_s if server else None,
+               "server_offline_ratio": ratio, "peak_search": peak.rows}
+    return lines + ratio_lines, summary
+
+
+def main_job(out_dir: str = "results", job: MainJobConfig = MainJobConfig()) -> int:
+    cfg = _bench_config(job)
+    try:
+        offline, peak = asyncio.run(_run(job, cfg))
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"main job: error: {e}", file=sys.stderr)
+        return 2
+    lines, summary = _headline(job, cfg, offline, peak)
+    lines += peak_sections(peak, out_dir, "main_job")
+    outcomes = [offline] + ([peak.peak] if peak.peak else peak.runs[-1:])
+    if peak.peak:
+        print(console_summary(peak.peak, cfg.profile))
+    paths = write_report(out_dir, "main_job", "tokenmill main job: Offline + Server peak (development length)",
+                         cfg.profile, outcomes, {"main_job": job.__dict__}, lines, summary)
+    print("\n".join(lines))
+    print(f"report: {paths['markdown']}  results: {paths['json']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_job(sys.argv[1] if len(sys.argv) > 1 else "results"))

@@ -1,0 +1,80 @@
+"""find-peak search logic and the sweep's Pareto frontier, on a fake session with known behaviour."""
+import asyncio
+
+from tokenmill.bench.find_peak import PeakSearchConfig, find_peak
+from tokenmill.bench.metrics import compute_metrics
+from tokenmill.bench.profiles import get_profile
+from tokenmill.bench.records import RequestRecord
+from tokenmill.bench.runner import RunResult
+from tokenmill.bench.session import Outcome
+from tokenmill.bench.sweep import pareto_frontier, run_sweep, write_sweep_csv
+from tokenmill.bench.verdict import judge
+
+PROFILE = get_profile("custom", ttft_ms=1000, tpot_ms=100).with_dev_length(0, 1)
+
+
+class FakeSession:
+    """TPOT grows with load: tpot_ms = 40 * qps (limit 100 ms -> true peak 2.5 QPS)."""
+
+    def __init__(self, flaky_at=None):
+        self.qps_tried = []
+        self.flaky_at = flaky_at
+
+    async def run(self, scenario, label=None, prefix="q"):
+        load = getattr(scenario, "target_qps", None) or scenario.concurrency
+        self.qps_tried.append(load)
+        tpot = 0.040 * load if self.flaky_at != len(self.qps_tried) else 1.0
+        recs = [RequestRecord(f"{prefix}-{i}", 0, i * 0.1, sent_s=i * 0.1, first_token_s=i * 0.1 + 0.05,
+                              completed_s=i * 0.1 + 0.05 + 10 * tpot, num_output_tokens=11) for i in range(5)]
+        result = RunResult(scenario.name, recs, compute_metrics(recs), target_qps=getattr(scenario, "target_qps", None),
+                           concurrency=getattr(scenario, "concurrency", None))
+        return Outcome(label or scenario.name, result, judge(result, PROFILE))
+
+
+def test_find_peak_converges_below_the_true_peak_and_confirms():
+    s = FakeSession()
+    res = asyncio.run(find_peak(s, PeakSearchConfig(0.5, precision=0.05, max_runs=20)))
+    assert 2.5 * 0.95 <= res.peak_qps <= 2.5
+    phases = [r["phase"] for r in res.rows]
+    assert phases[0] == "base" and "widen" in phases and "bisect" in phases and phases[-1] == "confirm"
+    assert s.qps_tried[:4] == [0.5, 1.0, 2.0, 4.0]           # doubling until the first failure
+    assert res.peak.result.target_qps == res.peak_qps
+
+
+def test_failed_confirmation_backs_off_one_step():
+    s = FakeSession()
+    res = asyncio.run(find_peak(s, PeakSearchConfig(0.5, precision=0.05, max_runs=20)))
+    n = len(res.runs)
+    flaky = FakeSession(flaky_at=n)                           # the confirming run fails once
+    res2 = asyncio.run(find_peak(flaky, PeakSearchConfig(0.5, precision=0.05, max_runs=20)))
+    assert res2.peak_qps == res.peak_qps * 0.95
+    assert [r["phase"] for r in res2.rows][-2:] == ["confirm", "confirm"]
+
+
+def test_start_too_high_halves_then_gives_up():
+    res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(100.0, max_runs=20, max_halvings=2)))
+    assert res.peak_qps is None and [r["target_qps"] for r in res.rows] == [100.0, 50.0, 25.0]
+
+
+def test_run_cap():
+    res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, precision=0.001, max_runs=4)))
+    assert len(res.runs) == 4 and res.stopped_by_max_runs
+
+
+def test_time_budget_stops_new_runs():
+    res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, time_budget_s=0.0)))
+    assert res.rows == [] and res.peak_qps is None and res.stopped_by_max_runs
+
+
+def test_pareto_frontier():
+    pts = [{"concurrency": c, "per_user_tokens_per_s": x, "tokens_per_s": y}
+           for c, x, y in [(1, 50, 50), (2, 45, 90), (4, 30, 80), (8, 20, 160), (16, 10, 150)]]
+    assert [p["concurrency"] for p in pareto_frontier(pts)] == [8, 2, 1]
+
+
+def test_sweep_runs_each_level(tmp_path):
+    outcomes, points, frontier = asyncio.run(run_sweep(FakeSession(), [1, 2, 4], None))
+    assert [p["concurrency"] for p in points] == [1, 2, 4]
+    assert all(p["per_user_tokens_per_s"] > 0 for p in points)
+    path = write_sweep_csv(points, frontier, tmp_path / "s.csv")
+    assert path.read_text().splitlines()[0].endswith("pareto")
