@@ -212,9 +212,9 @@ def test_window_stays_short(smol):
     eos = smol.convert_tokens_to_ids("<|endoftext|>")
     detok = IncrementalDetokenizer(smol, smol.encode("A prompt of some length, more than five tokens."))
     stream(detok, [eos] * 2000, finish=False)
-    assert len(detok._stream._ids) <= NUM_CONTEXT_TOKENS
+    assert detok._stream.window_size <= NUM_CONTEXT_TOKENS
     stream(detok, smol.encode(" ".join(TEXTS * 5)), finish=False)
-    assert len(detok._stream._ids) <= 16
+    assert detok._stream.window_size <= 16
 
 
 # ---------------------------------------------------------------- SentencePiece style (byte fallback)

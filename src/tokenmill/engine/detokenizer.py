@@ -16,6 +16,8 @@ total stop-string length), never O(output length):
 """
 from __future__ import annotations
 
+import collections
+import functools
 import re
 import weakref
 from dataclasses import dataclass
@@ -250,13 +252,14 @@ class _LibraryTextStream:
 
 
 class _StopMatcher:
-    """Finds stop strings in text fed piece by piece.
+    """Finds stop strings in text fed piece by piece, with an Aho-Corasick automaton over them: O(1)
+    amortized per character whatever the number and length of the stop strings (a naive rescan of
+    the held-back text costs O(stop length^2) per step on text like "aaaa" against the stop "aaaaa...b").
 
-    Invariant between calls: `tail` is the shortest suffix of the text seen so far that could still be
-    the start of a stop string (each stop string starting earlier was ruled out for good), so a match
-    always starts inside `tail + delta`; `tail` is shorter than the longest stop string. The first
-    `num_tail_emitted` chars of `tail` were streamed already (all of them with include_stop_str_in_output,
-    where nothing is held back; none otherwise).
+    Invariant between calls: `state` is the automaton node of the longest suffix of the text so far that
+    is a prefix of some stop string. Every stop string starting earlier was ruled out for good, so
+    `held` (that suffix, depth[state] chars) is all the text that could still become part of a match;
+    without include_stop_str_in_output it has not been streamed yet, with it nothing is held back.
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool) -> None:
@@ -265,67 +268,78 @@ class _StopMatcher:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"invalid stop strings {stop!r}: expected non-empty strings")
-        self._stops = tuple(dict.fromkeys(stop))
-        self._stops_by_first_char: dict[str, tuple[str, ...]] = {}
-        for s in self._stops:
-            self._stops_by_first_char[s[0]] = self._stops_by_first_char.get(s[0], ()) + (s,)
-        # Finds any character that starts a stop string: text without one (and no held-back tail) is safe.
-        self._first_char_re = re.compile("[" + "".join(map(re.escape, self._stops_by_first_char)) + "]")
-        self._any_stop_re = re.compile("|".join(map(re.escape, self._stops)))
-        self._max_len = max(len(s) for s in self._stops)
+        self._automaton = _build_automaton(tuple(dict.fromkeys(stop)))
         self._include = include_stop_str_in_output
-        self._tail = ""
-        self._num_tail_emitted = 0
+        self._state = 0
+        self._held = ""
 
     def feed(self, delta: str, *, can_match: bool, final: bool) -> tuple[str, str | None]:
         """Returns (text to stream, the stop string that matched or None)."""
-        if not self._tail and self._first_char_re.search(delta) is None:
-            return delta, None                # the common case: no stop string can start in this text
-        old_len = len(self._tail)
-        tail = self._tail + delta
-        if can_match and delta and self._any_stop_re.search(tail, max(0, old_len - self._max_len + 1)):
-            match = self._first_match(tail, old_len)   # exact rule, on the rare steps that have a match
-            if match is not None:
-                start, stop = match
-                cut = start + len(stop) if self._include else start
-                return tail[self._num_tail_emitted:cut], stop
-        keep_from = len(tail) if final else self._held_back_start(tail)
-        if self._include:
-            new_text = tail[self._num_tail_emitted:]
-            self._tail = tail[keep_from:]
-            self._num_tail_emitted = len(self._tail)
-        else:
-            new_text = tail[:keep_from]
-            self._tail = tail[keep_from:]
+        automaton = self._automaton
+        if self._state == 0 and automaton.first_char_re.search(delta) is None:
+            return delta, None           # the common case: nothing held, and no stop string starts here
+        goto, fail, longest_match = automaton.goto, automaton.fail, automaton.longest_match
+        state = self._state
+        for pos, char in enumerate(delta):
+            next_state = goto[state].get(char)
+            while next_state is None and state:
+                state = fail[state]
+                next_state = goto[state].get(char)
+            state = next_state or 0
+            stop = longest_match[state]
+            if stop is not None and can_match:         # the first stop string to complete wins
+                if self._include:
+                    return delta[:pos + 1], stop
+                text = self._held + delta[:pos + 1]
+                return text[:len(text) - len(stop)], stop
+        self._state = 0 if final else state
+        text = self._held + delta
+        held_from = len(text) - automaton.depth[self._state]
+        new_text = delta if self._include else text[:held_from]
+        self._held = text[held_from:]
         return new_text, None
 
-    def _first_match(self, tail: str, old_len: int) -> tuple[int, str] | None:
-        """The match ending first (ties: starting first) among those ending after tail[:old_len]."""
-        best_end, best_start, best_stop = len(tail) + 1, 0, None
-        for stop in self._stops:
-            start = tail.find(stop, max(0, old_len - len(stop) + 1))
-            if start >= 0 and (start + len(stop), start) < (best_end, best_start):
-                best_end, best_start, best_stop = start + len(stop), start, stop
-        return None if best_stop is None else (best_start, best_stop)
 
-    def _held_back_start(self, tail: str) -> int:
-        """Smallest i with tail[i:] a proper prefix of some stop string; len(tail) if none."""
-        best = len(tail)
-        low = max(0, best - self._max_len + 1)
-        for first_char, stops in self._stops_by_first_char.items():
-            i = tail.find(first_char, low, best)       # candidates: the first char of one of `stops`
-            while i >= 0 and not _is_proper_prefix(tail[i:], stops):
-                i = tail.find(first_char, i + 1, best)
-            if i >= 0:
-                best = i
-        return best
+@dataclass(frozen=True)
+class _StopAutomaton:
+    """Aho-Corasick automaton; node 0 is the root (the empty string), each node a prefix of a stop string."""
+    goto: tuple[dict[str, int], ...]      # node -> {char: child node}
+    fail: tuple[int, ...]                 # node -> node of its longest proper suffix that is a node
+    depth: tuple[int, ...]                # node -> length of its string
+    longest_match: tuple[str | None, ...]  # node -> longest stop string that is a suffix of it, if any
+    first_char_re: re.Pattern             # matches any first character of a stop string
 
 
-def _is_proper_prefix(text: str, stops: tuple[str, ...]) -> bool:
-    for s in stops:
-        if len(s) > len(text) and s.startswith(text):
-            return True
-    return False
+@functools.lru_cache(maxsize=256)
+def _build_automaton(stops: tuple[str, ...]) -> _StopAutomaton:
+    goto: list[dict[str, int]] = [{}]
+    depth, terminal = [0], [None]
+    for stop in stops:
+        node = 0
+        for char in stop:
+            child = goto[node].get(char)
+            if child is None:
+                child = goto[node][char] = len(goto)
+                goto.append({})
+                depth.append(depth[node] + 1)
+                terminal.append(None)
+            node = child
+        terminal[node] = stop
+    fail, longest_match = [0] * len(goto), list(terminal)
+    queue = collections.deque(goto[0].values())          # breadth first: a node's fail is done before it
+    while queue:
+        node = queue.popleft()
+        for char, child in goto[node].items():
+            suffix = fail[node]
+            while suffix and char not in goto[suffix]:
+                suffix = fail[suffix]
+            fail[child] = goto[suffix].get(char, 0)
+            if longest_match[child] is None:
+                longest_match[child] = longest_match[fail[child]]
+            queue.append(child)
+    first_chars = "".join(re.escape(char) for char in goto[0])
+    return _StopAutomaton(tuple(goto), tuple(fail), tuple(depth), tuple(longest_match),
+                          re.compile(f"[{first_chars}]"))
 
 
 def _prompt_context(prompt_token_ids: Sequence[int], skipped_ids: frozenset[int]) -> list[int]:

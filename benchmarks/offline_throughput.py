@@ -1,0 +1,125 @@
+"""Offline throughput on the peer workload of shared/BENCHMARKING.md, tokenmill vs transformers.
+
+64 requests x 128 random prompt tokens -> exactly 128 output tokens each (ignore EOS), greedy, all
+issued at once, default model (SmolLM2-135M-Instruct, weights dequantized to fp32). In the same run:
+transformers' static-batch `generate` on the same weights. Prints wall time and output tokens/s of
+each (median of --runs), their ratio, and tokenmill's start-up time to the first generated token of
+`tokenmill generate` (first and second start).
+
+    .venv/bin/python benchmarks/offline_throughput.py [--runs 3] [--num-requests 64] [--skip-peer]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def make_prompts(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(n)]
+
+
+def run_tokenmill(llm, prompts, output_len: int) -> tuple[float, int]:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    return wall, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def load_transformers_model():
+    from transformers import AutoModelForCausalLM
+    from tokenmill.loaders.default_model import DEFAULT_MODEL_FILE, default_model_path
+    folder = os.path.dirname(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
+
+
+def run_transformers(model, prompts, output_len: int) -> tuple[float, int]:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    return wall, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+
+def startup_to_first_token() -> list[float]:
+    """Seconds from launching `tokenmill generate` to the first byte of generated text on its stdout,
+    for a first and a second start (the second reuses the tokenizer cache)."""
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "generate", "The capital of France is",
+                                 "--max-tokens", "4", "--ignore-eos"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc.stdout.read(1)
+        times.append(time.perf_counter() - t0)
+        proc.communicate()
+    return times
+
+
+def median_rate(runs: list[tuple[float, int]]) -> tuple[float, float]:
+    walls = [w for w, _ in runs]
+    wall = statistics.median(walls)
+    return wall, runs[0][1] / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-startup", action="store_true")
+    args = ap.parse_args()
+    from tokenmill import LLM
+
+    prompts = make_prompts(args.num_requests, args.prompt_len)
+    engine_kwargs = dict(enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.quantization:
+        engine_kwargs["quantization"] = args.quantization
+    llm = LLM(**engine_kwargs)
+    run_tokenmill(llm, prompts[:2], 4)  # warm-up
+    model = None if args.skip_peer else load_transformers_model()
+    if model is not None:
+        run_transformers(model, prompts[:2], 4)
+    tm_runs, hf_runs = [], []
+    for i in range(args.runs):  # interleaved, so drift on the machine affects both alike
+        tm_runs.append(run_tokenmill(llm, prompts, args.output_len))
+        if model is not None:
+            hf_runs.append(run_transformers(model, prompts, args.output_len))
+        print(f"run {i + 1}: tokenmill {tm_runs[-1][0]:.2f} s"
+              + (f", transformers {hf_runs[-1][0]:.2f} s" if hf_runs else ""), flush=True)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"workload: {args.num_requests} requests x {args.prompt_len} prompt tokens -> {args.output_len} "
+          f"output tokens, greedy, default model fp32{' ' + args.quantization if args.quantization else ''}; "
+          f"median of {args.runs} runs")
+    tm_wall, tm_rate = median_rate(tm_runs)
+    print(f"tokenmill     wall {tm_wall:7.2f} s  output {tm_rate:7.1f} tok/s  (runs: "
+          + ", ".join(f"{w:.2f}" for w, _ in tm_runs) + ")")
+    if hf_runs:
+        hf_wall, hf_rate = median_rate(hf_runs)
+        print(f"transformers  wall {hf_wall:7.2f} s  output {hf_rate:7.1f} tok/s  (runs: "
+              + ", ".join(f"{w:.2f}" for w, _ in hf_runs) + ")")
+        print(f"ratio tokenmill / transformers: {tm_rate / hf_rate:.2f}x")
+    if not args.skip_startup:
+        first, second = startup_to_first_token()
+        print(f"tokenmill generate start-up to first token: first start {first:.1f} s, second start {second:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
