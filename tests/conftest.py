@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# torch's OpenMP threads spin while waiting by default; with the two cores shared by several test
+# processes (the server tests start their own), spinning makes every op orders of magnitude slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 

@@ -138,6 +138,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int = 0
     attention_backend: str = "cpu"
+    quantization: str | None = None          # None (checkpoint dtype), "int8", "int4", "w8a8"
 
 
 @dataclass
@@ -156,6 +157,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "cpu"           # "cpu" (fast) or "reference"
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
+    quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +175,8 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference"])
         g.add_argument("--num-threads", type=int, default=None)
+        g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                       help="weight quantization of every linear layer (default: none, fp32)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -87,6 +87,19 @@ class PieceTokenizer:
         return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i in self.special))
 
 
+class PythonDecodeOnly:
+    """Hides the Rust backend: the detokenizer falls back to its Python stream over `decode`."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.fixture(params=["library", "python"])
+def path(request):
+    """Wraps a tokenizer so the detokenizer takes the DecodeStream path or the Python path."""
+    return (lambda tok: tok) if request.param == "library" else PythonDecodeOnly
+
+
 # ---------------------------------------------------------------- helpers
 
 def stream(detok, ids, chunk_sizes=None, finish=True):
@@ -131,13 +144,13 @@ def expected_with_stops(full, stops, include):
 # ---------------------------------------------------------------- byte-level BPE (SmolLM2)
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-token", "chunks"])
-def test_byte_level_text_matches_decode(smol, chunked):
+def test_byte_level_text_matches_decode(smol, path, chunked):
     rng = random.Random(0)
     prompt = smol.encode(smol.apply_chat_template([{"role": "user", "content": "Say something."}],
                                                   add_generation_prompt=True, tokenize=False))
     for text in TEXTS:
         ids = smol.encode(text)
-        detok = IncrementalDetokenizer(smol, prompt)
+        detok = IncrementalDetokenizer(path(smol), prompt)
         updates = stream(detok, ids, random_chunks(rng, len(ids)) if chunked else None)
         assert joined(updates) == smol.decode(ids, skip_special_tokens=True) == text
         assert all(REPLACEMENT_CHAR not in u.new_text for u in updates)
@@ -166,12 +179,12 @@ def test_multibyte_char_emitted_once_complete(smol):
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_random_ids_match_decode(smol, skip_special_tokens):
+def test_random_ids_match_decode(smol, path, skip_special_tokens):
     rng = random.Random(1)
     special = [0, 1, 2, 5]
     for _ in range(40):
         ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(smol)) for _ in range(30)]
-        detok = IncrementalDetokenizer(smol, [rng.randrange(len(smol)) for _ in range(8)],
+        detok = IncrementalDetokenizer(path(smol), [rng.randrange(len(smol)) for _ in range(8)],
                                        skip_special_tokens=skip_special_tokens)
         updates = stream(detok, ids, random_chunks(rng, len(ids)))
         full = smol.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -179,40 +192,41 @@ def test_random_ids_match_decode(smol, skip_special_tokens):
         assert full.startswith(joined(updates[:-1]))    # before finish(): a prefix, never taken back
 
 
-def test_skip_special_tokens(smol):
+def test_skip_special_tokens(smol, path):
     im_end = smol.convert_tokens_to_ids("<|im_end|>")
     ids = smol.encode("Hi") + [im_end] + smol.encode(" there") + [im_end]
-    on = joined(stream(IncrementalDetokenizer(smol, [], skip_special_tokens=True), ids))
-    off = joined(stream(IncrementalDetokenizer(smol, [], skip_special_tokens=False), ids))
+    on = joined(stream(IncrementalDetokenizer(path(smol), [], skip_special_tokens=True), ids, [1, 3, 1, 1]))
+    off = joined(stream(IncrementalDetokenizer(path(smol), [], skip_special_tokens=False), ids, [1, 3, 1, 1]))
     assert on == "Hi there" == smol.decode(ids, skip_special_tokens=True)
     assert off == "Hi<|im_end|> there<|im_end|>" == smol.decode(ids, skip_special_tokens=False)
 
 
-def test_finish_releases_incomplete_trailing_bytes(smol):
+def test_finish_releases_incomplete_trailing_bytes(smol, path):
     """A request cut inside a character (max_tokens): finish() gives the text exactly as decode shows it."""
     ids = smol.encode("ok 🎉")[:-1]
-    detok = IncrementalDetokenizer(smol, [])
+    detok = IncrementalDetokenizer(path(smol), [])
     assert joined(stream(detok, ids, finish=False)) == "ok"
     tail = detok.finish().new_text
     assert tail and REPLACEMENT_CHAR in tail
     assert detok.text == smol.decode(ids)
 
 
-def test_prompt_ending_inside_a_character_does_not_leak_into_output(smol):
+def test_prompt_ending_inside_a_character_does_not_leak_into_output(smol, path):
     ids = smol.encode("x🎉 ok")
     split = next(i for i in range(1, len(ids)) if REPLACEMENT_CHAR in smol.decode(ids[:i]))
     prompt, output = ids[:split], ids[split:]
-    updates = stream(IncrementalDetokenizer(smol, prompt), output)
+    updates = stream(IncrementalDetokenizer(path(smol), prompt), output)
     assert joined(updates) == smol.decode(output)
 
 
-def test_window_stays_short(smol):
+def test_window_stays_short(smol, path):
     """Per-token cost: the decoded window does not grow with the output, also over long runs of skipped
-    special tokens (ignore_eos benchmarks) and of text."""
+    special tokens (ignore_eos benchmarks; the Rust tokenizer path knows which ids those are)."""
     eos = smol.convert_tokens_to_ids("<|endoftext|>")
-    detok = IncrementalDetokenizer(smol, smol.encode("A prompt of some length, more than five tokens."))
-    stream(detok, [eos] * 2000, finish=False)
-    assert detok._stream.window_size <= NUM_CONTEXT_TOKENS
+    detok = IncrementalDetokenizer(path(smol), smol.encode("A prompt of some length, more than five tokens."))
+    if path is not PythonDecodeOnly:
+        stream(detok, [eos] * 2000, finish=False)
+        assert detok._stream.window_size <= NUM_CONTEXT_TOKENS
     stream(detok, smol.encode(" ".join(TEXTS * 5)), finish=False)
     assert detok._stream.window_size <= 16
 
@@ -220,21 +234,22 @@ def test_window_stays_short(smol):
 # ---------------------------------------------------------------- SentencePiece style (byte fallback)
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-token", "chunks"])
-def test_sentencepiece_text_matches_decode(sp, chunked):
+def test_sentencepiece_text_matches_decode(sp, path, chunked):
     rng = random.Random(2)
     bos = sp.convert_tokens_to_ids("<s>")
     for text in TEXTS:
         ids = sp.encode(text)[1:]                     # drop <s>
-        updates = stream(IncrementalDetokenizer(sp, [bos]), ids, random_chunks(rng, len(ids)) if chunked else None)
+        updates = stream(IncrementalDetokenizer(path(sp), [bos]), ids,
+                         random_chunks(rng, len(ids)) if chunked else None)
         assert joined(updates) == sp.decode(ids, skip_special_tokens=True)
         assert all(REPLACEMENT_CHAR not in u.new_text for u in updates)
 
 
-def test_sentencepiece_keeps_leading_space_after_prompt_text(sp):
+def test_sentencepiece_keeps_leading_space_after_prompt_text(sp, path):
     prompt = sp.encode("Hello")
     output = sp.encode("world, café 你好 🎉")[1:]
     assert sp.convert_ids_to_tokens(output)[0].startswith("▁")
-    updates = stream(IncrementalDetokenizer(sp, prompt), output)
+    updates = stream(IncrementalDetokenizer(path(sp), prompt), output)
     whole, prompt_text = sp.decode(prompt + output), sp.decode(prompt)
     assert whole.startswith(prompt_text)
     assert joined(updates) == whole[len(prompt_text):] == " world, café 你好 🎉"
@@ -243,7 +258,7 @@ def test_sentencepiece_keeps_leading_space_after_prompt_text(sp):
     assert joined(updates) == "".join(library.step(sp.backend_tokenizer, i) or "" for i in output)
 
 
-def test_sentencepiece_random_ids_match_decode(sp):
+def test_sentencepiece_random_ids_match_decode(sp, path):
     """Random text tokens and whole characters spelled as <0xXX> byte tokens, in random order."""
     rng = random.Random(3)
     text_ids = [i for t, i in sp.get_vocab().items() if not t.startswith("<")]
@@ -255,10 +270,37 @@ def test_sentencepiece_random_ids_match_decode(sp):
         while len(ids) < 30:
             ids += rng.choice(chars) if rng.random() < 0.3 else [rng.choice(text_ids)]
         prompt = sp.encode("Hello")
-        updates = stream(IncrementalDetokenizer(sp, prompt), ids, random_chunks(rng, len(ids)))
+        updates = stream(IncrementalDetokenizer(path(sp), prompt), ids, random_chunks(rng, len(ids)))
         whole, prompt_text = sp.decode(prompt + ids), sp.decode(prompt)
         assert joined(updates) == whole[len(prompt_text):]
         assert all(REPLACEMENT_CHAR not in u.new_text for u in updates)
+
+
+def test_stray_byte_token_after_a_character_does_not_raise(sp):
+    """<0xE4><0xBD><0xA0> streams "你"; a stray <0x80> then makes the decoder render all four bytes as
+    U+FFFD, so the decoded text no longer extends what was streamed (DecodeStream raises there)."""
+    ni = [i for i in sp.encode("你", add_special_tokens=False) if sp.convert_ids_to_tokens(i).startswith("<0x")]
+    ids = ni + [sp.convert_tokens_to_ids("<0x80>")] + sp.encode("ab", add_special_tokens=False)
+    for tok in (sp, PythonDecodeOnly(sp)):
+        detok = IncrementalDetokenizer(tok, sp.encode("Hello"))
+        updates = stream(detok, ids)
+        assert [u.new_text for u in updates[:len(ni)]] == [""] * (len(ni) - 1) + ["你"]
+        assert detok.text.startswith("你") and detok.text.endswith(" ab")
+
+
+def test_sentencepiece_random_bytes_library_and_python_paths_agree(sp):
+    """Any ids, stray byte tokens included: both paths stream the same text, and it is the decode of the
+    ids whenever that decode has no U+FFFD."""
+    rng = random.Random(5)
+    prompt = sp.encode("Hello")
+    for _ in range(60):
+        ids = [rng.randrange(len(sp)) for _ in range(25)]
+        chunks = random_chunks(rng, len(ids))
+        texts = [joined(stream(IncrementalDetokenizer(tok, prompt), ids, chunks)) for tok in (sp, PythonDecodeOnly(sp))]
+        assert texts[0] == texts[1]
+        whole, prompt_text = sp.decode(prompt + ids), sp.decode(prompt)
+        if REPLACEMENT_CHAR not in whole:
+            assert texts[0] == whole[len(prompt_text):]
 
 
 # ---------------------------------------------------------------- stop strings

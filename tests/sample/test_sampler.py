@@ -102,7 +102,7 @@ def test_top_p_threshold_matches_sort_reference_including_large_nucleus():
                         torch.randn(3, 2000, generator=gen) * 6.0])    # peaked: small nucleus
     temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.2])
     top_p = torch.tensor([0.9, 0.5, 0.99, 0.9, 0.5, 0.8])
-    probs = truncation.scaled_probs_(logits.clone(), temperature)            # [6, 2000], max 1
+    probs = truncation.scaled_probs_(logits.clone(), logits.amax(-1), temperature)  # [6, 2000]
     thresholds = truncation.top_p_thresholds(probs, top_p, torch.zeros(6))
     for r in range(6):
         expected = reference_probs(logits[r], temperature=float(temperature[r]), top_p=float(top_p[r]))
@@ -330,7 +330,7 @@ def test_distribution_across_chunks_and_short_last_chunk():
 
 # ---------------------------------------------------------------- chunked top-k
 
-@pytest.mark.parametrize("vocab,k", [(4096, 5), (4096, 64), (4100, 20), (3000, 1), (200, 50)])
+@pytest.mark.parametrize("vocab,k", [(4096, 5), (4096, 64), (4100, 20), (3000, 1), (200, 50), (64, 0)])
 def test_chunked_topk_matches_torch_topk(vocab, k):
     gen = torch.Generator().manual_seed(vocab + k)
     x = torch.randn(6, vocab, generator=gen)
@@ -343,3 +343,7 @@ def test_chunked_topk_matches_torch_topk(vocab, k):
     assert torch.equal(values, expected)
     assert torch.equal(x.gather(1, indices), values)
     assert all(len(set(row)) == k for row in indices.tolist())         # distinct elements
+    rows = torch.tensor([4, 1, 3])
+    sub_values, sub_indices = topk_module.topk(x, k, rows=rows)
+    assert torch.equal(sub_values, expected[rows])
+    assert torch.equal(x[rows].gather(1, sub_indices), sub_values)

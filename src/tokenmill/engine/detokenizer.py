@@ -293,8 +293,10 @@ class _StopMatcher:
                 text = self._held + delta[:pos + 1]
                 return text[:len(text) - len(stop)], stop
         self._state = 0 if final else state
+        while state and not goto[state]:   # a whole stop string let through before min_tokens: emit it
+            state = fail[state]
         text = self._held + delta
-        held_from = len(text) - automaton.depth[self._state]
+        held_from = len(text) - (0 if final else automaton.depth[state])
         new_text = delta if self._include else text[:held_from]
         self._held = text[held_from:]
         return new_text, None

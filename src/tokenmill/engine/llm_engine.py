@@ -75,7 +75,7 @@ class LLMEngine:
             model_path=source.path, model=model,
             cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
-            seed=args.seed, attention_backend=args.attention_backend)
+            seed=args.seed, attention_backend=args.attention_backend, quantization=args.quantization)
 
     def _log_startup(self) -> None:
         c = self.config

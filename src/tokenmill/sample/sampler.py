@@ -113,9 +113,9 @@ class Sampler:
         """Sample rows `rows` of logits [num_rows, vocab] (pre-temperature, read only); metas: theirs.
         Returns [len(rows)] int64 token ids."""
         probs = self._gather(logits, rows, "probs", copy=True)                      # [n, vocab]
-        _check_finite_max(probs, rows)
+        row_max = _finite_row_max(probs, rows)                                      # [n]
         temperature, top_k, top_p, min_p = _row_params(metas)                        # [n] each, CPU
-        scaled_probs_(probs, temperature)                       # unnormalized probs at T, max 1
+        scaled_probs_(probs, row_max, temperature)              # unnormalized probs at T, max 1
         zero_below_(probs, truncation_thresholds(probs, top_k, top_p, min_p))
         return sample_inverse_cdf(probs, self._uniforms(metas))
 
@@ -190,11 +190,14 @@ def _row_params(metas: Sequence[SamplingMeta]) -> tuple[torch.Tensor, ...]:
             torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 
-def _check_finite_max(logits: torch.Tensor, rows: list[int]) -> None:
-    finite = torch.isfinite(logits.amax(dim=-1))                                   # [n]
+def _finite_row_max(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[n, vocab] -> [n] row maxima; ValueError naming the batch rows whose maximum is not finite."""
+    row_max = logits.amax(dim=-1)
+    finite = torch.isfinite(row_max)
     if not bool(finite.all()):
         bad = [rows[j] for j in (~finite).nonzero().flatten().tolist()]
         raise ValueError(f"sampler: rows {bad} have no finite best logit (all masked, or inf/NaN)")
+    return row_max
 
 
 def _check_inputs(logits: torch.Tensor, metas: Sequence[SamplingMeta]) -> None:

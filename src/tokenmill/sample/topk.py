@@ -21,7 +21,7 @@ def topk(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tuple[tor
     indices [a, k] int64) for those rows, without copying whole rows."""
     vocab = x.shape[1]
     group = _group_size(vocab, k)
-    if x.device.type != "cpu" or group < MIN_GROUP:
+    if x.device.type != "cpu" or group < MIN_GROUP or k == 0:
         return torch.topk(x if rows is None else x[rows], k, dim=-1)
     num_groups = vocab // group                                                    # >= 4 k
     body = x[:, :num_groups * group].reshape(x.shape[0], group, num_groups)        # view
@@ -30,7 +30,7 @@ def topk(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tuple[tor
         group_max = group_max[rows]
     best_groups = torch.topk(group_max, k, dim=-1).indices                         # [a, k]
     members = torch.arange(group, device=x.device) * num_groups                    # [group]
-    columns = (best_groups[:, :, None] + members).reshape(-1, k * group)           # [a, k * group]
+    columns = (best_groups[:, :, None] + members).reshape(len(best_groups), k * group)  # [a, k * group]
     if vocab % group:                                    # elements past the last full group
         tail = torch.arange(num_groups * group, vocab, device=x.device).expand(columns.shape[0], -1)
         columns = torch.cat([columns, tail], dim=1)

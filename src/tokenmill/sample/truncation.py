@@ -33,13 +33,11 @@ TOP_P_CANDIDATES = (64, 1024)
 SAMPLE_CHUNK = 1024                 # tokens per chunk of the two-level inverse-CDF draw
 
 
-def scaled_probs_(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """In place: logits [n, vocab] -> exp(max((x - row max) / T, -87)), max entry 1. temperature: [n] > 0.
-
-    Every row needs a finite max logit (the caller checks)."""
-    row_max = logits.amax(dim=-1, keepdim=True)                                 # [n, 1]
+def scaled_probs_(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """In place: logits [n, vocab] -> exp(max((x - row_max) / T, -87)), max entry 1.
+    row_max: [n] finite row maxima of logits; temperature: [n] > 0 (CPU or logits.device)."""
     inv_t = (1.0 / temperature).to(device=logits.device, dtype=logits.dtype)
-    return logits.sub_(row_max).mul_(inv_t[:, None]).clamp_(min=MIN_SCALED_LOGIT).exp_()
+    return logits.sub_(row_max[:, None]).mul_(inv_t[:, None]).clamp_(min=MIN_SCALED_LOGIT).exp_()
 
 
 def truncation_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
