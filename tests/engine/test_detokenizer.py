@@ -286,6 +286,8 @@ def test_stray_byte_token_after_a_character_does_not_raise(sp):
         updates = stream(detok, ids)
         assert [u.new_text for u in updates[:len(ni)]] == [""] * (len(ni) - 1) + ["你"]
         assert detok.text.startswith("你") and detok.text.endswith(" ab")
+        if tok is sp:
+            assert detok._stream._fallback is not None     # DecodeStream did raise: the Python stream took over
 
 
 def test_sentencepiece_random_bytes_library_and_python_paths_agree(sp):

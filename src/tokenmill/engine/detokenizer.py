@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings: generated token ids in, streamable text out.
 
-One `IncrementalDetokenizer` per completion. Each `append` costs O(ids since the last emitted text +
-total stop-string length), never O(output length):
+One `IncrementalDetokenizer` per completion. Each `append` costs O(ids since the last emitted text + new
+characters), amortized, never O(output length) or O(stop-string length^2):
 
 1. A text stream turns ids into text with prefix/read offsets over a short window of recent ids (the
    scheme of vLLM and of `tokenizers.decoders.DecodeStream`). It holds back text while the decoded window
@@ -96,7 +96,7 @@ class IncrementalDetokenizer:
         return self._finished
 
     def append(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
-        """Feeds newly generated ids (one or more, Python ints)."""
+        """Feeds newly generated ids (one or more, Python ints; a list or tuple)."""
         if self._finished:
             return DetokenizerUpdate()
         self._num_output_tokens += len(token_ids)
@@ -276,7 +276,7 @@ class _StopMatcher:
     def feed(self, delta: str, *, can_match: bool, final: bool) -> tuple[str, str | None]:
         """Returns (text to stream, the stop string that matched or None)."""
         automaton = self._automaton
-        if self._state == 0 and automaton.first_char_re.search(delta) is None:
+        if automaton.first_char_re.search(delta) is None:
             return delta, None           # the common case: nothing held, and no stop string starts here
         goto, fail, longest_match = automaton.goto, automaton.fail, automaton.longest_match
         state = self._state
@@ -382,7 +382,7 @@ def _rust_backend(tokenizer) -> tokenizers.Tokenizer | None:
     except ImportError:
         return None
     # A subclass that post-processes decoded text must keep its own decode.
-    if type(tokenizer)._decode is not TokenizersBackend._decode:
+    if getattr(type(tokenizer), "_decode", None) is not TokenizersBackend._decode:
         return None
     return backend
 

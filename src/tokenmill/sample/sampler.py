@@ -101,8 +101,10 @@ class Sampler:
         random = [i for i, m in enumerate(metas) if not m.params.greedy]
         token_ids = torch.empty(len(metas), dtype=torch.long, device=logits.device)
         if greedy:
-            rows = self._gather(logits, greedy, "scratch")
-            token_ids[_index(greedy, logits.device)] = _argmax(rows)
+            index = _index(greedy, logits.device)
+            # A full-batch argmax is cheaper than gathering the greedy rows first on CPU.
+            token_ids[index] = _argmax(logits)[index] if logits.device.type == "cpu" \
+                else logits[index].argmax(dim=-1)
         if random:
             sampled = self._sample_random(logits, random, [metas[i] for i in random])
             token_ids[_index(random, logits.device)] = sampled
