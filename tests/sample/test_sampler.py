@@ -122,6 +122,39 @@ def test_masked_vocab_padding_is_never_sampled():
     assert max(out.token_ids) < 4
 
 
+def test_extreme_temperatures():
+    logits = torch.tensor([[5.0, 4.0, -3.0, float("-inf")]]).expand(3000, -1)
+    cold = Sampler(seed=0)(logits, [meta(temperature=1e-4)] * 3000).token_ids   # exp underflows
+    assert set(cold) == {0}
+    hot = frequencies(logits[0], SamplingParams(temperature=1e4), num=3000)      # ~uniform, -inf kept out
+    assert torch.allclose(hot[:3], torch.full((3,), 1 / 3), atol=0.04) and hot[3] == 0
+
+
+def test_bfloat16_logits_are_accepted():
+    logits = torch.randn(8, 300).to(torch.bfloat16)
+    metas = [meta(temperature=0), meta(temperature=0, logprobs=2)] * 4
+    out = Sampler()(logits, metas)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.logprobs[1].top[0].token_id == out.token_ids[1]
+
+
+def test_reused_sampler_gives_same_results_across_batch_shapes():
+    gen = torch.Generator().manual_seed(4)
+    big, small = torch.randn(40, 3000, generator=gen), torch.randn(5, 3000, generator=gen)
+    metas_big = [meta(temperature=0.8, top_k=30, top_p=0.9, logprobs=3,
+                      generator=Sampler.make_generator(i), repetition_penalty=1.3, prompt=[i])
+                 for i in range(40)]
+    metas_small = metas_big[:5]
+    shared = Sampler()
+    first = shared(big, metas_big)
+    second = shared(small, [meta(m.params, prompt=[i], generator=Sampler.make_generator(100 + i))
+                            for i, m in enumerate(metas_small)])
+    fresh = Sampler()(small, [meta(m.params, prompt=[i], generator=Sampler.make_generator(100 + i))
+                              for i, m in enumerate(metas_small)])
+    assert len(first.token_ids) == 40
+    assert second == fresh
+
+
 # ---------------------------------------------------------------- seeds and reproducibility
 
 SEEDED = SamplingParams(seed=1234, temperature=1.2, top_k=40, top_p=0.95)

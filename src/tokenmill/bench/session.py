@@ -116,18 +116,13 @@ def _capped(s: Sample, cap: int) -> Sample:
 
 
 def engine_model_info(sut: SUT) -> tuple[int | None, int | None, str]:
-    """(weight bytes, KV bytes per token, source) from the in-process engine, where it exposes them."""
-    import os
-    inner = getattr(getattr(sut, "engine", None), "engine", None)
-    path = getattr(inner, "model_path", None)
-    weights = None
-    if path and os.path.isfile(str(path)):
-        weights = os.path.getsize(str(path))
-    elif path and os.path.isdir(str(path)):
-        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-                      if f.endswith((".safetensors", ".bin", ".gguf")))
-    kv = getattr(getattr(getattr(inner, "config", None), "model", None), "kv_bytes_per_token", None)
-    return weights, kv, "engine model files" if weights else "not available"
+    """(weight bytes as computed with, KV bytes per token, source) from the in-process engine's public
+    model_info(); (None, None, "not available") for remote endpoints."""
+    engine = getattr(sut, "engine", None)
+    if engine is None or not hasattr(engine, "model_info"):
+        return None, None, "not available"
+    info = engine.model_info()
+    return info["weight_bytes"], info["kv_bytes_per_token"], "engine model_info()"
 
 
 class BenchSession:

@@ -68,6 +68,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def model_info(self) -> dict:
+        """See LLMEngine.model_info: weight bytes as computed with, KV bytes per token, model path."""
+        return self.engine.model_info()
+
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)

@@ -276,7 +276,7 @@ class _StopMatcher:
     def feed(self, delta: str, *, can_match: bool, final: bool) -> tuple[str, str | None]:
         """Returns (text to stream, the stop string that matched or None)."""
         automaton = self._automaton
-        if automaton.first_char_re.search(delta) is None:
+        if self._state == 0 and automaton.first_char_re.search(delta) is None:
             return delta, None           # the common case: nothing held, and no stop string starts here
         goto, fail, longest_match = automaton.goto, automaton.fail, automaton.longest_match
         state = self._state
@@ -292,7 +292,7 @@ class _StopMatcher:
                     return delta[:pos + 1], stop
                 text = self._held + delta[:pos + 1]
                 return text[:len(text) - len(stop)], stop
-        self._state = 0 if final else state
+        self._state = state
         while state and not goto[state]:   # a whole stop string let through before min_tokens: emit it
             state = fail[state]
         text = self._held + delta

@@ -204,6 +204,17 @@ class LLMEngine:
         cached = state.completions[0].request.num_cached_tokens
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, cached)
 
+    def model_info(self) -> dict:
+        """Static facts for efficiency reports: bytes the weights occupy as computed with (after any
+        quantization), KV bytes per token, and where the model came from."""
+        model = self.core.runner.model
+        weight_bytes = sum(t.numel() * t.element_size() for t in
+                           list(model.parameters()) + list(model.buffers()) if t.dim() >= 2)
+        return {"model_path": self.model_path, "architecture": self.config.model.architecture,
+                "weight_bytes": weight_bytes, "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
+                "max_model_len": self.max_model_len, "quantization": self.config.quantization,
+                "num_kv_blocks": self.config.cache.num_blocks, "block_size": self.config.cache.block_size}
+
     def stats(self) -> EngineStats:
         s = self.core.stats()
         s.prompt_tokens_total = self.prompt_tokens_total

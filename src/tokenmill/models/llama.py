@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
         self.backend: AttentionBackend | None = None   # bound by the model runner
-        self.k_cache: torch.Tensor | None = None       # [num_slots, num_kv_heads, head_dim]
+        self.k_cache: torch.Tensor | None = None       # [num_kv_heads, num_slots, head_dim]
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

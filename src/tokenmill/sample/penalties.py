@@ -30,7 +30,7 @@ def needs_min_tokens_mask(meta: "SamplingMeta") -> bool:
     """True while EOS / stop tokens must be masked for this row (and there is something to mask)."""
     params = meta.params
     return (len(meta.output_token_ids) < params.min_tokens
-            and bool(meta.eos_token_ids or params.stop_token_ids))
+            and (len(meta.eos_token_ids) > 0 or len(params.stop_token_ids) > 0))
 
 
 def apply_penalties(logits: torch.Tensor, metas: Sequence["SamplingMeta"]) -> None:
@@ -54,7 +54,7 @@ def apply_min_tokens_mask(logits: torch.Tensor, metas: Sequence["SamplingMeta"])
         if not needs_min_tokens_mask(meta):
             continue
         # Ids outside the vocabulary can never be sampled, so there is nothing to mask for them.
-        ids = {t for t in chain(meta.eos_token_ids, meta.params.stop_token_ids) if 0 <= t < vocab}
+        ids = {int(t) for t in chain(meta.eos_token_ids, meta.params.stop_token_ids) if 0 <= t < vocab}
         rows.extend([i] * len(ids))
         tokens.extend(ids)
     if rows:

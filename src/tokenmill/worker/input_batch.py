@@ -66,4 +66,4 @@ def _add_decode_tables(meta: AttentionMetadata, spans, decode_rows, decode_idx) 
     mask = torch.zeros(len(decode_idx), max_len).masked_fill_(pad, float("-inf"))
     meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
     meta.decode_slots = slots
-    meta.decode_mask = mask.view(len(decode_idx), 1, 1, max_len)
+    meta.decode_mask = mask.view(len(decode_idx), 1, max_len)

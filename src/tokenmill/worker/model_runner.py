@@ -40,8 +40,8 @@ class ModelRunner:
         num_slots = num_blocks * self.block_size
         caches = []
         for layer in self.model.attention_layers():
-            k = _lazy_zeros((num_slots, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
-            v = _lazy_zeros((num_slots, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+            k = _lazy_zeros((cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.dtype)
+            v = _lazy_zeros((cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.dtype)
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
             caches.append((k, v))
         return caches

@@ -1,6 +1,7 @@
 """What every attention backend gets for one step, and the interface it implements.
 
-KV cache layout, per layer: k_cache, v_cache [num_slots, num_kv_heads, head_dim] with
+KV cache layout, per layer: k_cache, v_cache [num_kv_heads, num_slots, head_dim] (head-major, so one
+gather along dim 1 yields per-head [len, head_dim] matrices ready for matmul) with
 num_slots = num_blocks * block_size; the token at position p of a request lives in slot
 block_ids[p // block_size] * block_size + p % block_size.
 """
@@ -27,7 +28,7 @@ class AttentionMetadata:
     # single-token queries (decodes), batched for the fast path; None when there are none
     decode_rows: torch.Tensor | None = None    # [num_decodes] int64 rows in the token batch
     decode_slots: torch.Tensor | None = None   # [num_decodes, max_context] int64, padded with slot 0
-    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_context] float32: 0 or -inf for padding
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_context] float32: 0, or -inf for padding
 
 
 class AttentionBackend:
@@ -41,5 +42,6 @@ class AttentionBackend:
 
     @staticmethod
     def write_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, v)
+        """k, v [T, num_kv_heads, head_dim] -> their slots of the [num_kv_heads, num_slots, head_dim] caches."""
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))

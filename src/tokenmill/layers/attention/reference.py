@@ -13,12 +13,12 @@ class ReferenceAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
-        group = num_heads // k_cache.shape[1]
+        group = num_heads // k_cache.shape[0]
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         for s in meta.seqs:
             qs = q[s.query_start:s.query_start + s.query_len]             # [n, H, D]
-            ks = k_cache[s.context_slots].repeat_interleave(group, dim=1)  # [L, H, D]
-            vs = v_cache[s.context_slots].repeat_interleave(group, dim=1)
+            ks = k_cache[:, s.context_slots].transpose(0, 1).repeat_interleave(group, dim=1)  # [L, H, D]
+            vs = v_cache[:, s.context_slots].transpose(0, 1).repeat_interleave(group, dim=1)
             scores = torch.einsum("nhd,lhd->hnl", qs.float(), ks.float()) * scale
             q_pos = torch.arange(s.context_len - s.query_len, s.context_len).unsqueeze(1)  # [n, 1]
             k_pos = torch.arange(s.context_len).unsqueeze(0)                               # [1, L]
