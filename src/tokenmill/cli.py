@@ -83,12 +83,15 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             sys.stdout.flush()
             reply = out.outputs[0].text
         print()
+        if ns.stats:
+            print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.outputs[0].token_ids)} generated]",
+                  file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO", help="level of tokenmill's own log (start-up report, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     gen.add_argument("prompt")
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--stats", action="store_true", help="print token counts after each reply")
     add_sampling_args(chat, max_tokens=512)
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -116,7 +120,8 @@ def _add_optional(sub, module: str, fn: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("tokenmill").setLevel(ns.log_level.upper())
     try:
         return ns.func(ns)
     except (ValueError, TypeError, FileNotFoundError) as e:
