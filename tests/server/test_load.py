@@ -120,6 +120,8 @@ def test_full_queue_answers_429_with_retry_after(start_server):
             assert body[-1] == "[DONE]"
     r = httpx.post(srv.url + "/v1/completions", json=_body(4, stream=False), timeout=30)
     assert r.status_code == 200, r.text
+    r = httpx.post(srv.url + "/v1/completions", json=dict(_body(4, stream=False), n=4), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"   # can never fit: not a 429
     assert metric(wait_idle(srv.url), "tokenmill:kv_cache_usage_perc") == 0
 
 

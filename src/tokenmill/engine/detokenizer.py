@@ -199,7 +199,7 @@ class _LibraryTextStream:
         self._backend = backend
         self._skip = skip_special_tokens
         self._skipped_ids = skipped_ids
-        if False:
+        if context_ids and backend.decode(context_ids, skip_special_tokens).endswith(_REPLACEMENT_CHAR):
             context_ids = []          # the prompt ends inside a character: see _TextStream
         self._read_ids = context_ids
         self._unread_ids: list[int] = []
@@ -292,7 +292,7 @@ class _StopMatcher:
                     return delta[:pos + 1], stop
                 text = self._held + delta[:pos + 1]
                 return text[:len(text) - len(stop)], stop
-        self._state = 0 if final else state
+        self._state = state
         while state and not goto[state]:   # a whole stop string let through before min_tokens: emit it
             state = fail[state]
         text = self._held + delta

@@ -131,7 +131,8 @@ class LLMEngine:
                           self.max_model_len, arrival_time=arrival)
         detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                                       include_stop_str_in_output=params.include_stop_str_in_output)
+                                       include_stop_str_in_output=params.include_stop_str_in_output,
+                                       min_tokens=params.min_tokens)
         return _Completion(index, request, detok, RequestMetrics(arrival),
                            [] if params.logprobs is not None else None)
 
@@ -179,6 +180,8 @@ class LLMEngine:
         if upd.stop_string is not None:
             self.core.abort(u.request.request_id, FinishReason.STOP, upd.stop_string)
             u.request.finish_reason, u.request.stop_reason = FinishReason.STOP, upd.stop_string
+        elif u.request.is_finished:
+            c.new_text += c.detok.finish().new_text   # release text held back for a possible stop string
 
     def _finish_if_done(self, state: _RequestState, now: float, force: bool = False) -> RequestOutput | None:
         if not force and not all(c.request.is_finished for c in state.completions):
@@ -186,6 +189,8 @@ class LLMEngine:
         for c in state.completions:
             c.metrics.finished_time = now
             c.metrics.num_preemptions = c.request.num_preemptions
+            if not c.detok.finished:
+                c.new_text += c.detok.finish().new_text
         del self.requests[state.request_id]
         for c in state.completions:
             self.child_to_parent.pop(c.request.request_id, None)

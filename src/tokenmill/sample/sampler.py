@@ -15,7 +15,8 @@ row therefore gets the same tokens whatever shares the batch and whatever its ro
 
 Cost: when every row is greedy with no penalties, no logprobs and no min_tokens masking the step is a
 single argmax over the batch. Otherwise the [rows, vocab] work is vectorized over rows; per-row Python
-work is limited to reading parameters, the seeded draws and the penalty index bookkeeping.
+work is limited to reading parameters, the seeded draws, the penalty index bookkeeping and one
+threshold pass per truncated row. [rows, vocab] buffers are reused across steps (sample/workspace.py).
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class Sampler:
         generator.manual_seed(_seed_to_uint64(seed))
         return generator
 
+    @torch.inference_mode()   # always, so the reused workspace buffers are the same kind of tensor
     def __call__(self, logits: torch.Tensor, metas: Sequence[SamplingMeta]) -> SamplerOutput:
         """logits: [num_rows, vocab] float (not modified). Returns one token (and logprobs) per row."""
         _check_inputs(logits, metas)
@@ -135,7 +137,8 @@ class Sampler:
 
     def _logprobs(self, logits: torch.Tensor, metas: Sequence[SamplingMeta],
                   token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
-        """log_softmax of the processed (pre-temperature) logits for rows that asked; top sorted descending."""
+        """log_softmax of the processed (pre-temperature) logits for rows that asked; `top` sorted
+        descending."""
         result: list[TokenLogprobs | None] = [None] * len(metas)
         rows = [i for i, m in enumerate(metas) if m.params.logprobs is not None]
         if not rows:

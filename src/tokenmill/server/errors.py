@@ -46,14 +46,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
-_PARAM_IN_MESSAGE = re.compile(r"sampling parameter (\w+)=")
+_PARAM_IN_MESSAGE = re.compile(r"sampling parameter (\w+)=|^(\w+) \(")   # "... top_p=0" | "min_tokens (9) ..."
 
 
 def from_value_error(e: ValueError) -> OpenAIError:
     """A ValueError from SamplingParams or the engine: its message names the field at fault."""
     message = str(e)
     m = _PARAM_IN_MESSAGE.search(message)
-    return bad_request(message, param=m.group(1) if m else None)
+    return bad_request(message, param=(m.group(1) or m.group(2)) if m else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -68,7 +68,12 @@ async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error(exc.errors()).response()
+    err = validation_error(exc.errors())
+    content_type = request.headers.get("content-type", "")
+    if err.param is None and content_type and "json" not in content_type:
+        err = bad_request(f"request body must be JSON sent with 'Content-Type: application/json', "
+                          f"got Content-Type {content_type!r}")
+    return err.response()
 
 
 def validation_error(errors) -> OpenAIError:
