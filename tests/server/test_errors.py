@@ -52,6 +52,7 @@ CASES = [
     ("empty-prompt-list", "POST", CMPL, _c(prompt=[]), AUTH, 400, "prompt", None),
     ("image-content", "POST", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      AUTH, 400, "messages.0.content", None),
+    ("min-tokens-above-max", "POST", CMPL, _c(min_tokens=9, max_tokens=3), AUTH, 400, "min_tokens", "9"),
     ("penalty-out-of-range", "POST", CMPL, _c(presence_penalty=3), AUTH, 400, "presence_penalty", None),
     ("no-api-key", "POST", CMPL, _c(), {}, 401, None, "API key"),
     ("wrong-api-key", "POST", CHAT, _chat(), {"Authorization": "Bearer nope"}, 401, None, "API key"),
