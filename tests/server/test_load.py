@@ -111,7 +111,7 @@ def test_full_queue_answers_429_with_retry_after(start_server):
     for t in threads:
         t.join(60)
     statuses = sorted(r[0] for r in results)
-    assert statuses.count(200) >= 3 and statuses.count(429) >= 1, results
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, results
     for status, body, retry_after in results:
         if status == 429:
             assert retry_after is not None and int(retry_after) >= 1
@@ -136,9 +136,9 @@ def _finish_reasons(events: list[str]) -> list[str]:
 def test_sigterm_finishes_in_flight_requests_then_exits(start_server):
     srv = start_server("--shutdown-grace-s", "30")
     results: list = []
-    started = threading.Event()
-    threads = [_stream_in_thread(srv.url, _body(120, i), results, started) for i in range(4)]
-    assert started.wait(30)
+    started = [threading.Event() for _ in range(4)]
+    threads = [_stream_in_thread(srv.url, _body(120, i), results, started[i]) for i in range(4)]
+    assert all(e.wait(30) for e in started)   # every stream is under way before the signal
     srv.signal(signal.SIGTERM)
     time.sleep(0.3)
     with pytest.raises(httpx.TransportError):   # no new connections while draining
@@ -157,9 +157,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits(start_server):
 def test_sigterm_aborts_what_outlives_the_grace_time(start_server):
     srv = start_server("--shutdown-grace-s", "0.5")
     results: list = []
-    started = threading.Event()
-    threads = [_stream_in_thread(srv.url, _body(480, i), results, started) for i in range(4)]
-    assert started.wait(30)
+    started = [threading.Event() for _ in range(4)]
+    threads = [_stream_in_thread(srv.url, _body(480, i), results, started[i]) for i in range(4)]
+    assert all(e.wait(30) for e in started)
     t0 = time.monotonic()
     srv.signal(signal.SIGINT)
     for t in threads:

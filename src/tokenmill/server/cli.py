@@ -31,7 +31,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
     from tokenmill.engine.async_engine import AsyncEngine   # heavy import: only when serving
-    from tokenmill.server.api_server import run_server
+    from tokenmill.server.launcher import run_server
     try:
         engine = AsyncEngine(engine_args)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -19,7 +19,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import OpenAIError, bad_request, from_value_error
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.protocol import SamplingRequest, Usage, PromptTokensDetails
+from tokenmill.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,58 @@
+"""Linear-layer quantization methods: one file per method, registered by name.
+
+    method = get_quant_method("int4")          # ValueError naming the supported ones otherwise
+    quantize_model(model, "int4")              # after loading: every Linear packs its weights
+
+Only layers/ and this package know about quantization; a model just builds `Linear`s.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+from torch import nn
+
+from tokenmill.quant.base import QuantMethod
+
+logger = logging.getLogger("tokenmill")
+
+_METHODS = {
+    "int8": ("tokenmill.quant.int8", "Int8WeightOnlyMethod"),
+    "int4": ("tokenmill.quant.int4", "Int4WeightOnlyMethod"),
+    "w8a8": ("tokenmill.quant.w8a8", "W8A8DynamicMethod"),
+}
+
+
+def supported_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_quant_method(name: str) -> QuantMethod:
+    if name not in _METHODS:
+        raise ValueError(f"unknown quantization {name!r}; supported: {', '.join(supported_methods())} "
+                         "(or None for the checkpoint's float weights)")
+    module, cls = _METHODS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def quantize_model(model: nn.Module, name: str | None, quantize_tied_lm_head: bool | None = None) -> None:
+    """Switch every `Linear` of a loaded model to method `name` (None: leave float32) and pack its weights.
+
+    An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
+    (`quantize_tied_lm_head`, overridable here); otherwise it stays float32. Embeddings are never quantized.
+    """
+    if name is None:
+        return
+    from tokenmill.layers.linear import Linear
+    method = get_quant_method(name)
+    tied = quantize_tied_lm_head if quantize_tied_lm_head is not None else method.quantize_tied_lm_head
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    chosen = [(n, m) for n, m in layers if tied or id(m.weight) not in shared]
+    for prefix, layer in chosen:
+        layer.prefix = prefix
+        method.check_shape(layer)
+    for _, layer in chosen:
+        layer.set_quant_method(method)
+    logger.info("tokenmill: %s quantization of %d linear layers%s", name, len(chosen),
+                "" if len(chosen) == len(layers) else " (tied lm_head kept float32)")

@@ -1,0 +1,46 @@
+"""The interface every linear-layer quantization method implements.
+
+A method object is stateless and shared by all layers that use it; what it computes lives on the layer
+(packed weights, scales) as buffers. Life cycle of one `Linear`:
+    create_weights(layer)                  at construction: the float32 `weight` [out, in] checkpoints load into
+    process_weights_after_loading(layer)   once, after loading: pack `weight` for the kernel, drop it
+    apply(layer, x)                        every forward: x [T, in] float32 -> [T, out] float32
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class QuantMethod:
+    name = "base"
+    # Quantize an lm_head that shares its weight with the input embedding (a separate packed copy; the
+    # embedding itself stays float32). Worth it when the head's bytes dominate a decode step.
+    quantize_tied_lm_head = True
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Register layer.weight [out_features, in_features] (and layer.bias [out_features] if any)."""
+        dtype = layer.params_dtype
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+        layer.bias = (nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
+                      if layer.has_bias else None)
+
+    def check_shape(self, layer: nn.Module) -> None:
+        """Raise ValueError, naming the layer, if the kernel cannot take its shape."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded float32 layer.weight into this method's packed form."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] float32 -> [T, out_features] float32 (bias included)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def drop_float_weight(layer: nn.Module) -> None:
+        """Forget the float32 weight (a tied embedding keeps its own reference to the tensor)."""
+        layer.weight = None
+
+    @staticmethod
+    def add_bias(layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return y if layer.bias is None else y.add_(layer.bias)

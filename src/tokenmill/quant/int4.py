@@ -1,0 +1,61 @@
+"""Weight-only int4 with a scale and zero point per 32 inputs, PyTorch's CPU int4 kernels
+(`_convert_weight_to_int4pack_for_cpu` + `_weight_int4pack_mm_for_cpu`).
+
+Kernel convention (checked bit for bit in tests/quant): for q in 0..15 of group g = k // 32,
+    w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n],    scales_and_zeros [K/32, N, 2] = (scale, zero)
+GGUF Q4_1 stores w = d * q + m per 32 values, so it maps exactly with scale = d, zero = m + 8 d
+(see quant/gguf_blocks.py); from float32 we quantize the same way Q4_1 does (min/max per group).
+Activations: as for int8, the kernel's vectorized path takes bfloat16 only (float32 runs a scalar loop
+about 30x slower), so x, scale and zero are bfloat16 in the call; accumulation is float32 inside.
+Shapes: out_features a multiple of 16 and in_features a multiple of 32.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.base import QuantMethod
+
+GROUP_SIZE = 32
+
+
+class Int4WeightOnlyMethod(QuantMethod):
+    name = "int4"
+
+    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.compute_dtype = compute_dtype
+
+    def check_shape(self, layer) -> None:
+        if layer.out_features % 16 or layer.in_features % GROUP_SIZE:
+            raise ValueError(f"int4 quantization of {layer.prefix or 'a linear layer'} "
+                             f"[{layer.out_features}, {layer.in_features}] needs out_features a multiple "
+                             f"of 16 and in_features a multiple of {GROUP_SIZE}")
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "int4_packed", None) is None:       # not already filled from GGUF blocks
+            q, scale, zero = quantize_groupwise_int4(layer.weight.data)
+            self.set_packed(layer, q, scale, zero)
+        self.drop_float_weight(layer)
+
+    def set_packed(self, layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """q [N, K] int 0..15; scale, zero [N, K/32] float32 in the kernel's convention."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(self.compute_dtype).contiguous()  # [K/32, N, 2]
+        layer.register_buffer("int4_packed", packed, persistent=False)              # [N, K/2] uint8
+        layer.register_buffer("scales_and_zeros", sz, persistent=False)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.compute_dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, layer.int4_packed, GROUP_SIZE,
+                                                       layer.scales_and_zeros)      # [T, N]
+        return self.add_bias(layer, y.float())
+
+
+def quantize_groupwise_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
+    """w [N, K] float -> (q [N, K] uint8 0..15, scale [N, K/g], zero [N, K/g]) float32 with
+    w ~= (q - 8) * scale + zero: min/max per group (the Q4_1 recipe), round to nearest."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)                                          # [N, K/g]
+    scale = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, lo + 8.0 * scale

@@ -1,0 +1,42 @@
+"""Weight-only int8: one symmetric scale per output channel, `torch.ops.aten._weight_int8pack_mm`.
+
+    w[n, k] ~= q[n, k] * scale[n],   q int8 in [-127, 127],   scale = max_k |w[n, k]| / 127
+
+The kernel takes per-channel scales only (1-D [N]); group-wise int8 (e.g. GGUF Q8_0's scale per 32)
+would need one call per group, so Q8_0 checkpoints are requantized per channel from float32.
+Activations: the kernel's vectorized path (AVX2/AVX-512) exists for bfloat16 inputs only; with float32
+inputs it runs a scalar loop about 15x slower than float32 F.linear. So x is cast to bfloat16 for the
+call (it accumulates in float32) and the result cast back; compute_dtype=torch.float32 gives the exact,
+slow path (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.base import QuantMethod
+
+
+class Int8WeightOnlyMethod(QuantMethod):
+    name = "int8"
+
+    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.compute_dtype = compute_dtype
+
+    def process_weights_after_loading(self, layer) -> None:
+        q, scale = quantize_per_channel_int8(layer.weight.data)
+        layer.register_buffer("qweight", q, persistent=False)                       # [N, K] int8
+        layer.register_buffer("scales", scale.to(self.compute_dtype), persistent=False)  # [N]
+        self.drop_float_weight(layer)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.compute_dtype).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(xc, layer.qweight, layer.scales)      # [T, N]
+        return self.add_bias(layer, y.float())
+
+
+def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q [N, K] int8, scale [N] float32), symmetric, round to nearest."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
