@@ -79,7 +79,7 @@ def test_hit_on_free_cached_block_revives_it():
     kv.free(a)
     assert kv.pool.num_free == 4
     b = req("b", [1, 2, 7])
-    assert admit(kv, b) == [0, 2]          # hit on block 0, then the queue front (2)
+    assert admit(kv, b) == [0, 1]          # hit on block 0, then the queue front: a's uncached tail block
     assert kv.pool.blocks[0].ref_count == 1 and 0 not in kv.pool.free_queue
 
 
@@ -116,3 +116,16 @@ def test_pool_rejects_double_free():
     pool.free(blocks)
     with pytest.raises(AssertionError):
         pool.free(blocks)
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = req("a", [1, 2, 3])                # block 0 full (cached), block 1 partial (nothing to keep)
+    admit(kv, a)
+    kv.free(a)
+    assert list(kv.pool.free_queue) == [1, 2, 3, 4, 5, 0]
+    kv_off = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    b = req("b", [1, 2, 3, 4])
+    admit(kv_off, b)
+    kv_off.free(b)                         # warm blocks first, most recently freed at the front
+    assert list(kv_off.pool.free_queue) == [0, 1, 2, 3]

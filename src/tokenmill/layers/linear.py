@@ -1,24 +1,39 @@
 """Linear layers with checkpoint-aware loading. Fused projections (qkv, gate_up) are one weight whose
-row ranges are filled from several checkpoint tensors, named by shard id."""
+row ranges are filled from several checkpoint tensors, named by shard id.
+
+The arithmetic is delegated to a quantization method object (tokenmill.quant): float32 by default;
+`set_quant_method` switches a loaded layer to another method, which packs the weight for its kernel."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.unquantized import UnquantizedMethod
+
+_UNQUANTIZED = UnquantizedMethod()
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). weight [out_features, in_features]."""
+    """y = x W^T (+ b). weight [out_features, in_features] (until a quantization method packs it)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.has_bias, self.params_dtype = bias, dtype
+        self.prefix = ""                              # module name, for error messages
+        self.quant_method: QuantMethod = _UNQUANTIZED
+        self.quant_method.create_weights(self)
+
+    def set_quant_method(self, method: QuantMethod) -> None:
+        """After loading: pack the float weight for `method` and use it from now on."""
+        method.process_weights_after_loading(self)
+        self.quant_method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        """x [T, in_features] -> [T, out_features]."""
+        return self.quant_method.apply(self, x)
 
     def shard_rows(self, shard_id) -> slice:
         """Rows of the weight that checkpoint shard `shard_id` fills; the whole weight by default."""

@@ -102,14 +102,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)
+        if cfg.tie_word_embeddings:   # one tensor, two uses; loaded as model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -120,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, vocab] float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()

@@ -35,16 +35,17 @@ def get_quant_method(name: str) -> QuantMethod:
     return getattr(importlib.import_module(module), cls)()
 
 
-def quantize_model(model: nn.Module, name: str | None, quantize_tied_lm_head: bool | None = None) -> None:
-    """Switch every `Linear` of a loaded model to method `name` (None: leave float32) and pack its weights.
+def quantize_model(model: nn.Module, method: str | QuantMethod | None,
+                   quantize_tied_lm_head: bool | None = None) -> None:
+    """Switch every `Linear` of a loaded model to `method` (None: leave float32) and pack its weights.
 
     An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
     (`quantize_tied_lm_head`, overridable here); otherwise it stays float32. Embeddings are never quantized.
     """
-    if name is None:
+    if method is None:
         return
     from tokenmill.layers.linear import Linear
-    method = get_quant_method(name)
+    method = get_quant_method(method) if isinstance(method, str) else method
     tied = quantize_tied_lm_head if quantize_tied_lm_head is not None else method.quantize_tied_lm_head
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
@@ -54,5 +55,5 @@ def quantize_model(model: nn.Module, name: str | None, quantize_tied_lm_head: bo
         method.check_shape(layer)
     for _, layer in chosen:
         layer.set_quant_method(method)
-    logger.info("tokenmill: %s quantization of %d linear layers%s", name, len(chosen),
+    logger.info("tokenmill: %s quantization of %d linear layers%s", method.name, len(chosen),
                 "" if len(chosen) == len(layers) else " (tied lm_head kept float32)")

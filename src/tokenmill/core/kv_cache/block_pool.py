@@ -2,8 +2,9 @@
 
 Invariants:
 - a block is in the free queue iff its ref_count == 0;
-- the free queue is ordered least-recently-freed first: `allocate` takes from the front, so cached blocks
-  freed long ago are evicted before recently freed ones (LRU);
+- the free queue is ordered by eviction priority, `allocate` taking from the front: blocks holding no
+  cached content come first (most recently freed at the very front, so warm memory is reused and a large
+  pool is never touched more than the load needs), then cached blocks least-recently-freed first (LRU);
 - `cached` maps a block hash to the block holding that content; a cached block may be free (ref 0,
   evictable) or in use. Evicting a block removes its hash from `cached`.
 """
@@ -69,6 +70,8 @@ class BlockPool:
             assert block.ref_count >= 0, f"KV block {block.block_id} freed more often than taken"
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
+                if block.block_hash is None:   # nothing worth keeping: reuse it first
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Record that `block` holds the full content named by `block_hash`."""

@@ -1,0 +1,115 @@
+"""Single-stream decode speed of the default model per weight format, against the memory-bandwidth bound.
+
+One request at a time: 128 random prompt tokens -> exactly 256 output tokens (greedy, ignore EOS), for
+fp32 / int8 / int4 / w8a8 (`LLM(quantization=...)`). Decode tok/s = (output tokens - 1) / (time of the
+last token - time of the first), so prefill is excluded; median of --runs. For each mode it also prints
+the bytes a decode step must read (every linear weight as packed, plus the mean KV cache read) and the
+bound those bytes give at the bandwidth measured here (a read-only sum over a 512 MiB tensor, same
+threads), and the fraction of that bound achieved. --profile MODE prints where one run's time goes.
+
+    .venv/bin/python benchmarks/decode_latency.py [--runs 3] [--modes fp32,int8,int4,w8a8] [--profile int4]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+
+def measure_read_bandwidth_gbs(num_bytes: int = 1 << 29, runs: int = 7) -> float:
+    """GB/s of a read-only pass (sum) over a tensor far larger than the caches; median of runs."""
+    a = torch.ones(num_bytes // 4)
+    a.sum()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def linear_bytes(model) -> int:
+    """Bytes of every Linear's weight as its method stores it (what one decode step reads)."""
+    from tokenmill.layers.linear import Linear
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        tensors = [t for t in (m.weight, m.bias) if t is not None] + list(m.buffers(recurse=False))
+        total += sum(t.numel() * t.element_size() for t in tensors)
+        packed = getattr(m, "w8a8_packed", None)
+        if packed is not None:                      # fbgemm packed: int8 weight + float scales
+            total += m.out_features * m.in_features + 8 * m.out_features
+    return total
+
+
+def make_prompt(prompt_len: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(prompt_len)]
+
+
+def decode_tok_s(llm, prompt: list[int], output_len: int) -> float:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    times = out.metrics.token_times
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def profile_run(llm, prompt: list[int], output_len: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        wall = time.perf_counter() - t0
+    print(f"profile: {wall * 1e3 / output_len:.2f} ms per output token (wall, prefill included)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=44))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--modes", default="fp32,int8,int4,w8a8")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as is)")
+    ap.add_argument("--tied-head", choices=["method", "fp32"], default="method",
+                    help="tied lm_head: as the method decides (quantized copy) or kept float32")
+    ap.add_argument("--profile", default=None, help="mode to profile after timing")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tokenmill import LLM
+    from tokenmill.quant import base as quant_base
+
+    if args.tied_head == "fp32":
+        quant_base.QuantMethod.quantize_tied_lm_head = False
+    bandwidth = measure_read_bandwidth_gbs()
+    prompt = make_prompt(args.prompt_len)
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); read bandwidth "
+          f"{bandwidth:.1f} GB/s; batch 1, {args.prompt_len} prompt -> {args.output_len} output tokens")
+    print(f"{'mode':6s} {'decode tok/s':>12s} {'runs':>24s} {'MB/step':>8s} {'bound tok/s':>11s} {'of bound':>8s}")
+    for mode in args.modes.split(","):
+        llm = LLM(quantization=None if mode == "fp32" else mode, kv_cache_memory_bytes=1 << 27)
+        cfg = llm.engine.config.model
+        kv_mean = cfg.kv_bytes_per_token * (args.prompt_len + args.output_len / 2)
+        step_bytes = linear_bytes(llm.engine.core.runner.model) + kv_mean
+        decode_tok_s(llm, prompt, 16)                                   # warm-up
+        rates = [decode_tok_s(llm, prompt, args.output_len) for _ in range(args.runs)]
+        med, bound = statistics.median(rates), bandwidth * 1e9 / step_bytes
+        print(f"{mode:6s} {med:12.1f} {' '.join(f'{r:.1f}' for r in rates):>24s} {step_bytes / 1e6:8.1f} "
+              f"{bound:11.1f} {med / bound:8.0%}", flush=True)
+        if mode == args.profile:
+            profile_run(llm, prompt, args.output_len)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
