@@ -65,5 +65,6 @@ def _add_decode_tables(meta: AttentionMetadata, spans, decode_rows, decode_idx) 
     pad = torch.arange(max_len).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)   # [R, L] True = padding
     mask = torch.zeros(len(decode_idx), max_len).masked_fill_(pad, float("-inf"))
     meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+    meta.decode_lens = torch.tensor(lens, dtype=torch.long)
     meta.decode_slots = slots
     meta.decode_mask = mask.view(len(decode_idx), 1, max_len)

@@ -29,6 +29,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None    # [num_decodes] int64 rows in the token batch
     decode_slots: torch.Tensor | None = None   # [num_decodes, max_context] int64, padded with slot 0
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_context] float32: 0, or -inf for padding
+    decode_lens: torch.Tensor | None = None    # [num_decodes] int64 context lengths
 
 
 class AttentionBackend:

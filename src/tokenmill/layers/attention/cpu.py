@@ -1,30 +1,41 @@
-"""Fast CPU paged attention: all single-token queries (decodes) in one batched matmul pair over one
-gather of their context; prefill chunks through torch's scaled_dot_product_attention (causal, reading no
+"""Fast CPU paged attention. Single-token queries (decodes): a native kernel that reads keys and values in
+place from the paged cache (csrc/paged_attention_cpu.cpp), or, without a compiler, one batched matmul pair
+over one gather of their context. Prefill chunks: torch's scaled_dot_product_attention (causal, reading no
 cache at all when the chunk starts at position 0)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
 class CPUAttention(AttentionBackend):
     name = "cpu"
 
+    def __init__(self) -> None:
+        self.native = cpu_kernels.load()
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         if meta.decode_rows is not None and len(meta.seqs) == meta.decode_rows.numel():
-            return self._decode(q, k_cache, v_cache, meta, scale).reshape(num_tokens, num_heads * head_dim)
+            return self._decode_any(q, k_cache, v_cache, meta, scale).reshape(num_tokens, num_heads * head_dim)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = self._decode_any(q[meta.decode_rows], k_cache, v_cache, meta, scale)
         for s in meta.seqs:
             if s.query_len > 1 or meta.decode_rows is None:
                 rows = slice(s.query_start, s.query_start + s.query_len)
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, s, scale)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native is not None and q.dtype == torch.float32:
+            return self.native.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_slots,
+                                                      meta.decode_lens, scale)
+        return self._decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,0 +1,95 @@
+// Paged decode attention on the CPU: one query token per request, keys and values read in place from
+// the paged cache (no gather copy), softmax over each request's own context length.
+//
+// Shapes (float32, contiguous):
+//   q        [R, H, D]      one query token per request; H = KV * G (grouped-query attention)
+//   k_cache  [KV, S, D]     head-major paged cache, S = num_blocks * block_size slots
+//   v_cache  [KV, S, D]
+//   slots    [R, L] int64   cache slot of each context position (row r valid up to lens[r])
+//   lens     [R]    int64   context length of each request, 1 <= lens[r] <= L
+// Returns [R, H, D]. Work is split over (request, kv head) pairs; each pair reads its keys and values once
+// for all G query heads of the group.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void attend_one(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
+                int64_t n, int64_t G, int64_t D, float scale, float* scores, float* out) {
+  // scores [G, n], out [G, D]
+  std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
+  for (int64_t l = 0; l < n; ++l) {
+    const float* k = k_head + slots[l] * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+      s *= scale;
+      scores[g * n + l] = s;
+      if (s > mx[g]) mx[g] = s;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float sum = 0.f;
+    float* sg = scores + g * n;
+    for (int64_t l = 0; l < n; ++l) {
+      sg[l] = std::exp(sg[l] - mx[g]);
+      sum += sg[l];
+    }
+    inv[g] = 1.f / sum;
+  }
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t l = 0; l < n; ++l) {
+    const float* v = v_head + slots[l] * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + l] * inv[g];
+      float* og = out + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor slots, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  slots.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: contiguous inputs");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = k_cache.size(0), S = k_cache.size(1), L = slots.size(1);
+  TORCH_CHECK(H % KV == 0 && k_cache.size(2) == D && slots.size(0) == R && lens.size(0) == R);
+  const int64_t G = H / KV;
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * L);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t r = idx / KV, h = idx % KV;
+      const int64_t n = lp[r];
+      const int64_t offset = (r * H + h * G) * D;
+      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L, n, G, D, sc, scores.data(),
+                 op + offset);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+}

@@ -1,0 +1,46 @@
+"""Native CPU kernels (C++, built on first use with torch.utils.cpp_extension and cached on disk).
+
+`load()` returns the compiled module, or None when no compiler is available: callers then use the
+pure-torch path, which computes the same attention (to float rounding). The build happens once per
+machine: a few tens of seconds; later starts load the cached library in well under a second.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+logger = logging.getLogger("tokenmill")
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc",
+                      "paged_attention_cpu.cpp")
+
+
+def _cpu_tag() -> str:
+    """The build uses -march=native: key the cache by the CPU's flags so no other CPU loads it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def load():
+    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+        with open(SOURCE, "rb") as f:
+            src_hash = hashlib.sha256(f.read()).hexdigest()[:10]
+        root = os.environ.get("TOKENMILL_CACHE_DIR", os.path.expanduser("~/.cache/tokenmill"))
+        build_dir = os.path.join(root, "kernels", f"cpu-{_cpu_tag()}-{src_hash}")
+        os.makedirs(build_dir, exist_ok=True)
+        return build(name=f"tokenmill_cpu_{src_hash}", sources=[SOURCE], build_directory=build_dir,
+                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     verbose=False)
+    except Exception as e:  # no compiler or ninja: the torch path is used instead
+        logger.warning("tokenmill: native CPU attention kernel unavailable (%s); using the torch path",
+                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
