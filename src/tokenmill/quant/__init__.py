@@ -1,7 +1,7 @@
 """Linear-layer quantization methods: one file per method, registered by name.
 
     method = get_quant_method("int4")          # ValueError naming the supported ones otherwise
-    quantize_model(model, "int4")              # after loading: every Linear packs its weights
+    load_and_quantize(model, weights, method, model_path)   # load (GGUF Q4_1 -> int4 directly), then pack
 
 Only layers/ and this package know about quantization; a model just builds `Linear`s.
 """
@@ -50,10 +50,26 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     chosen = [(n, m) for n, m in layers if tied or id(m.weight) not in shared]
+    others: dict[str, QuantMethod] = {}
+    plan = []
     for prefix, layer in chosen:
+        alt = method.method_for(prefix)
+        plan.append((layer, method if alt is None else others.setdefault(alt, get_quant_method(alt))))
+    for (prefix, _), (layer, m) in zip(chosen, plan):
         layer.prefix = prefix
-        method.check_shape(layer)
-    for _, layer in chosen:
-        layer.set_quant_method(method)
+        m.check_shape(layer)
+    for layer, m in plan:
+        layer.set_quant_method(m)
     logger.info("tokenmill: %s quantization of %d linear layers%s", method.name, len(chosen),
                 "" if len(chosen) == len(layers) else " (tied lm_head kept float32)")
+
+
+def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, model_path: str = "") -> None:
+    """Load `weights` ((checkpoint name, float tensor) pairs) into `model` and quantize it with `method`.
+    From a .gguf file whose blocks `method` takes as they are (Q4_1 -> int4), those are read directly
+    from `model_path` instead, and `weights` is never consumed."""
+    from tokenmill.quant.gguf_direct import load_gguf_direct
+    direct = method is not None and model_path.endswith(".gguf") and load_gguf_direct(model, model_path, method)
+    if not direct:
+        model.load_weights(weights)
+    quantize_model(model, method)

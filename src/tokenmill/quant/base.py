@@ -17,6 +17,13 @@ class QuantMethod:
     # Quantize an lm_head that shares its weight with the input embedding (a separate packed copy; the
     # embedding itself stays float32). Worth it when the head's bytes dominate a decode step.
     quantize_tied_lm_head = True
+    # Method name for the lm_head instead of this one (None: this one). The head turns hidden states into
+    # logits directly, so it is the layer most sensitive to weight error (llama.cpp keeps it at >= 6 bits).
+    lm_head_method: str | None = None
+
+    def method_for(self, prefix: str) -> str | None:
+        """Name of the method the layer named `prefix` should use instead of this one; None: this one."""
+        return self.lm_head_method if prefix.split(".")[-1] == "lm_head" else None
 
     def create_weights(self, layer: nn.Module) -> None:
         """Register layer.weight [out_features, in_features] (and layer.bias [out_features] if any)."""

@@ -20,6 +20,7 @@ GROUP_SIZE = 32
 
 class Int4WeightOnlyMethod(QuantMethod):
     name = "int4"
+    lm_head_method = "int8"   # int4 lm_head: default model perplexity +4.5%; int8 head: about +0.2%
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         self.compute_dtype = compute_dtype

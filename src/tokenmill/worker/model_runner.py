@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.layers.attention import get_backend
 from tokenmill.models.registry import get_model_class
-from tokenmill.quant import get_quant_method, quantize_model
+from tokenmill.quant import get_quant_method, load_and_quantize
 from tokenmill.sample.sampler import Sampler, SamplingMeta
 from tokenmill.worker.input_batch import build_step_inputs
 
@@ -22,19 +22,19 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, weights) -> None:
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = self._build_model(config.model, weights, config.quantization)
+        self.model = self._build_model(config, weights)
         self.backend = get_backend(config.attention_backend)
         self.kv_caches = self._allocate_kv_cache(config.model, config.cache.num_blocks)
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
 
     @staticmethod
-    def _build_model(cfg: ModelConfig, weights, quantization: str | None = None):
+    def _build_model(config: EngineConfig, weights):
         t0 = time.perf_counter()
-        method = get_quant_method(quantization) if quantization else None   # unknown name: fail before loading
-        model = get_model_class(cfg.architecture)(cfg)
-        model.load_weights(weights)
-        quantize_model(model, method)
+        q = config.quantization
+        method = get_quant_method(q) if q else None          # an unknown name fails before loading
+        model = get_model_class(config.model.architecture)(config.model)
+        load_and_quantize(model, weights, method, config.model_path)
         model.eval()
         model.load_time_s = time.perf_counter() - t0
         return model

@@ -1,0 +1,119 @@
+"""Quality of each quantized mode against fp32 on the default model: perplexity and greedy agreement.
+
+Perplexity: of tests/quant/data/ppl_text.txt (about 700 tokens), in one forward pass of the engine's
+model (`llm.engine.core.runner.model` on hand-built prefill metadata: one sequence, cache slots 0..T-1,
+so the LLMs here run with prefix caching off), exp(mean next-token NLL).
+Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's continuations as reference:
+  teacher-forced: the quantized model reads prompt + fp32's continuation; the fraction of the 256
+      positions where its argmax equals fp32's token (every position judged in the same context).
+  prefix: the quantized model generates freely; tokens equal to fp32's up to the first divergence,
+      over all 256 (strict: one early flip discounts the rest of that prompt).
+
+    .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8]
+
+tests/quant/test_quality.py checks: perplexity at most 3% above fp32, teacher-forced agreement >= 90%.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+TEXT_PATH = os.path.join(os.path.dirname(__file__), "..", "tests", "quant", "data", "ppl_text.txt")
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "def fibonacci(n):",
+    "The most important invention of the nineteenth century was",
+    "Photosynthesis is the process by which",
+]
+NUM_TOKENS = 32
+
+
+def make_llm(mode: str | None):
+    from tokenmill import LLM
+    return LLM(quantization=mode, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+
+
+@torch.inference_mode()
+def forward_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """token_ids [T] -> next-token logits [T, vocab] float32, one prefill of one sequence."""
+    from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+    model = llm.engine.core.runner.model
+    n = len(token_ids)
+    slots = torch.arange(n)
+    meta = AttentionMetadata(slot_mapping=slots, seqs=[SeqSpan(0, n, n, slots)])
+    hidden = model(torch.tensor(token_ids), torch.arange(n), meta)
+    return model.compute_logits(hidden)
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    logits = forward_logits(llm, token_ids)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(token_ids[1:]))
+    return math.exp(nll.item())
+
+
+def greedy(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
+
+
+def teacher_forced_agreement(llm, prompt_ids, ref_outputs) -> float:
+    hits = total = 0
+    for p, ref in zip(prompt_ids, ref_outputs):
+        pred = forward_logits(llm, p + ref)[len(p) - 1: len(p) - 1 + len(ref)].argmax(-1).tolist()
+        hits += sum(a == b for a, b in zip(pred, ref))
+        total += len(ref)
+    return hits / total
+
+
+def prefix_agreement(outputs, ref_outputs) -> float:
+    same = 0
+    for out, ref in zip(outputs, ref_outputs):
+        for a, b in zip(out, ref):
+            if a != b:
+                break
+            same += 1
+    return same / sum(len(r) for r in ref_outputs)
+
+
+def evaluate(modes: list[str]) -> dict[str, dict[str, float]]:
+    """{mode: {ppl, ppl_rise, teacher_forced, prefix}} with "fp32" as the reference."""
+    with open(TEXT_PATH, encoding="utf-8") as f:
+        text = f.read()
+    llm = make_llm(None)
+    text_ids = llm.tokenizer.encode(text)
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ref_ppl, ref_out = perplexity(llm, text_ids), greedy(llm, prompt_ids)
+    results = {"fp32": dict(ppl=ref_ppl, ppl_rise=0.0, teacher_forced=1.0, prefix=1.0, num_text_tokens=len(text_ids))}
+    del llm
+    for mode in modes:
+        llm = make_llm(mode)
+        ppl = perplexity(llm, text_ids)
+        results[mode] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
+                             teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out),
+                             prefix=prefix_agreement(greedy(llm, prompt_ids), ref_out))
+        del llm
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="int8,int4,w8a8")
+    args = ap.parse_args()
+    results = evaluate(args.modes.split(","))
+    n = results["fp32"]["num_text_tokens"]
+    print(f"default model, perplexity over {n} tokens; greedy agreement over {len(PROMPTS)} x {NUM_TOKENS} tokens")
+    print(f"{'mode':6s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
+    for mode, r in results.items():
+        print(f"{mode:6s} {r['ppl']:8.3f} {r['ppl_rise']:+8.2%} {r['teacher_forced']:15.1%} {r['prefix']:7.1%}")
+
+
+if __name__ == "__main__":
+    main()

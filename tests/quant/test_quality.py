@@ -1,0 +1,28 @@
+"""Each quantized mode on the default model: perplexity within 3% of fp32 and teacher-forced greedy
+agreement >= 90% (definitions in benchmarks/quant_quality.py, which prints the same figures)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+MAX_PPL_RISE = 0.03
+MIN_AGREEMENT = 0.90
+
+
+def load_quality_module():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "quant_quality.py")
+    spec = importlib.util.spec_from_file_location("quant_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quantized_modes_keep_quality():
+    results = load_quality_module().evaluate(["int8", "int4", "w8a8"])
+    for mode in ("int8", "int4", "w8a8"):
+        r = results[mode]
+        assert r["ppl_rise"] <= MAX_PPL_RISE, f"{mode}: perplexity {r['ppl']:.3f} is {r['ppl_rise']:+.2%} vs fp32"
+        assert r["teacher_forced"] >= MIN_AGREEMENT, f"{mode}: greedy agreement {r['teacher_forced']:.1%}"
