@@ -41,10 +41,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)                 # [T, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, 1, head_dim // 2]: once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """cos_sin from gather(); q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k)."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
