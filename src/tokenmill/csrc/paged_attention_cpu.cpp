@@ -90,6 +90,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Write new tokens' keys and values into their cache slots.
+//   k, v      [T, KV, D] float32 (any row stride; last dim contiguous)
+//   k_cache   [KV, S, D] float32 contiguous;  slots [T] int64
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slots) {
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 &&
+                  k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
+              "write_kv_cache: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+                  slots.scalar_type() == torch::kInt64, "write_kv_cache: contiguous caches, int64 slots");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv_cache: head_dim must be contiguous");
+  const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_cache: slot out of range");
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      for (int64_t h = 0; h < KV; ++h) {
+        std::copy_n(kp + t * ks0 + h * ks1, D, kc + (h * S + slot) * D);
+        std::copy_n(vp + t * vs0 + h * vs1, D, vc + (h * S + slot) * D);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
 }

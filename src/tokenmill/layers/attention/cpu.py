@@ -18,7 +18,10 @@ class CPUAttention(AttentionBackend):
         self.native = cpu_kernels.load()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.native is not None and k.dtype == torch.float32:
+            self.native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         if meta.decode_rows is not None and len(meta.seqs) == meta.decode_rows.numel():
             return self._decode_any(q, k_cache, v_cache, meta, scale).reshape(num_tokens, num_heads * head_dim)
