@@ -7,7 +7,7 @@ import torch
 
 from tokenmill.core.messages import ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention import get_backend
-from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers import cpu_kernels
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import build_step_inputs
 
@@ -51,3 +51,20 @@ def test_backends_agree(kv_heads, group):
 
 def test_native_kernel_is_cached_after_first_build():
     assert cpu_kernels.load() is cpu_kernels.load()
+
+
+def test_native_rotary_and_swiglu_match_torch():
+    from tokenmill.layers.rotary import RotaryEmbedding, _rotate
+    native = cpu_kernels.load()
+    g = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(16, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 9, 63])
+    cos, sin = rope.gather(positions)
+    qkv = torch.randn(4, 3 * 2 * 16, generator=g)               # q, k, v heads side by side: strided views
+    q = qkv[:, :32].view(4, 2, 16)
+    want = _rotate(q.clone(), cos.unsqueeze(1), sin.unsqueeze(1))
+    native.rotary_inplace(q, cos, sin)
+    assert (qkv[:, :32].view(4, 2, 16) - want).abs().max() < 1e-6
+    x = torch.randn(5, 2 * 24, generator=g)
+    want = torch.nn.functional.silu(x[:, :24]) * x[:, 24:]
+    assert (native.silu_and_mul(x) - want).abs().max() < 1e-6

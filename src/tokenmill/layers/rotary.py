@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.layers import cpu_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies, float64 then float32, scaled as the HF config asks."""
@@ -40,14 +42,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                       # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.native = cpu_kernels.load()
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin) [T, 1, head_dim // 2]: once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions [T] -> (cos, sin) [T, head_dim // 2]: once per step, shared by every layer."""
+        return self.cos[positions], self.sin[positions]
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """cos_sin from gather(); q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k)."""
+        """cos_sin from gather(); q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k).
+        The native kernel rotates q and k in place (they are views of this step's fresh projection)."""
         cos, sin = cos_sin
+        if self.native is not None and q.dtype == torch.float32 and not q.is_cuda:
+            self.native.rotary_inplace(q, cos, sin)
+            self.native.rotary_inplace(k, cos, sin)
+            return q, k
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)              # [T, 1, head_dim // 2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
@@ -50,9 +51,13 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, dtype=cfg.dtype)
         self.down_proj = Linear(size, cfg.hidden_size, dtype=cfg.dtype)
+        self.native = cpu_kernels.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)                            # [T, 2 * intermediate]
+        if self.native is not None and gate_up.dtype == torch.float32 and not gate_up.is_cuda:
+            return self.down_proj(self.native.silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 

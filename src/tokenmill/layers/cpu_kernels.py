@@ -1,4 +1,5 @@
-"""Native CPU kernels (C++, built on first use with torch.utils.cpp_extension and cached on disk).
+"""Native CPU kernels (csrc/cpu_kernels.cpp: paged decode attention, KV cache write, rotary, SwiGLU),
+built on first use with torch.utils.cpp_extension and cached on disk.
 
 `load()` returns the compiled module, or None when no compiler is available: callers then use the
 pure-torch path, which computes the same attention (to float rounding). The build happens once per
@@ -12,8 +13,8 @@ import logging
 import os
 
 logger = logging.getLogger("tokenmill")
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "csrc",
-                      "paged_attention_cpu.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc",
+                      "cpu_kernels.cpp")
 
 
 def _cpu_tag() -> str:

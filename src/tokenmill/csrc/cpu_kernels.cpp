@@ -120,7 +120,60 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   });
 }
 
+// Rotary embedding in place, Hugging Face "rotate half" layout: for i < D/2,
+//   x[i] <- x[i] cos_i - x[i + D/2] sin_i,   x[i + D/2] <- x[i + D/2] cos_i + x[i] sin_i.
+//   x [T, H, D] float32 (any token/head strides; last dim contiguous); cos, sin [T, D/2] contiguous.
+void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rotary_inplace: float32 with contiguous head_dim");
+  const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && sin.numel() == cos.numel());
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* a = xp + t * s0 + h * s1;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+}
+
+// SwiGLU activation: x [T, 2I] = [gate | up] (last dim contiguous) -> silu(gate) * up [T, I].
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "silu_and_mul: float32 [T, 2I] with contiguous rows");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0);
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * s0;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rotary_inplace", &rotary_inplace, "rotary embedding in place (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
 }
