@@ -42,9 +42,13 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
     (`quantize_tied_lm_head`, overridable here); otherwise it stays float32. Embeddings are never quantized.
     """
-    if method is None:
-        return
     from tokenmill.layers.linear import Linear
+    if method is None:   # float32: reorder weights for oneDNN now, not during the first request
+        from tokenmill.quant.unquantized import onednn_weight
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                onednn_weight(layer)
+        return
     method = get_quant_method(method) if isinstance(method, str) else method
     tied = quantize_tied_lm_head if quantize_tied_lm_head is not None else method.quantize_tied_lm_head
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}

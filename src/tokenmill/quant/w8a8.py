@@ -1,19 +1,15 @@
-"""Dynamic W8A8: int8 weights (symmetric, per output channel), activations quantized to 8 bits per
-call (one affine scale per tensor, from its min/max), int8 x int8 GEMM with int32 accumulation in
-fbgemm (`torch.ops.quantized.linear_dynamic` on prepacked weights), float32 out.
+"""Dynamic W8A8: int8 weights (symmetric, per output channel) and int8 activations quantized on the fly
+with one symmetric scale per token (row), int8 x int8 GEMM with int32 accumulation (`torch._int_mm`,
+oneDNN with VNNI: 750-870 GFLOP/s here against about 220 for the fp32 GEMM), float32 out.
 
-Where it pays: per-tensor activation scales are fine for o_proj (input: attention output) and gate|up
-(input: RMSNorm output), which hold 2/3 of a layer's weights. Measured alone on the default model
-(perplexity of tests/quant/data/ppl_text.txt vs fp32, 8-bit activations): o_proj +0.0%, gate_up +1.9%,
-qkv_proj +1.2%, down_proj +56% (its input silu(gate) * up has outlier channels), lm_head +1.8%. So
-qkv_proj, down_proj and the lm_head use weight-only int8 (quant/int8.py); all together +1.9%.
-reduce_range (7-bit activations) where the CPU lacks VNNI: fbgemm's AVX2 kernel sums pairs of u8*s8
-products in int16 (vpmaddubsw), which full 8-bit activations can saturate; VNNI accumulates in int32.
+Per-token scales keep every row's result independent of the other rows in the batch, so a request gets
+the same tokens whatever shares its step (fbgemm's dynamic linear uses one scale for the whole batch and
+does not). Where it pays: o_proj (input: attention output) and gate|up (input: RMSNorm output), which
+hold 2/3 of a layer's weights. down_proj's input silu(gate) * up has outlier channels (+56% perplexity
+with 8-bit activations), and qkv_proj and the lm_head are more sensitive, so those use weight-only int8
+(quant/int8.py). Figures: benchmarks/quant_quality.py.
 """
 from __future__ import annotations
-
-import functools
-import warnings
 
 import torch
 
@@ -23,22 +19,9 @@ from tokenmill.quant.int8 import quantize_per_channel_int8
 WEIGHT_ONLY_LAYERS = ("down_proj", "qkv_proj")
 
 
-@functools.cache
-def cpu_has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
-
-
 class W8A8DynamicMethod(QuantMethod):
     name = "w8a8"
     lm_head_method = "int8"
-
-    def __init__(self, reduce_range: bool | None = None) -> None:
-        self.reduce_range = (not cpu_has_vnni()) if reduce_range is None else reduce_range
 
     def method_for(self, prefix: str) -> str | None:
         if prefix.split(".")[-1] in WEIGHT_ONLY_LAYERS:
@@ -47,13 +30,15 @@ class W8A8DynamicMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         q, scale = quantize_per_channel_int8(layer.weight.data)
-        zeros = torch.zeros(layer.out_features, dtype=torch.long)
-        bias = None if layer.bias is None else layer.bias.data.float()
-        with warnings.catch_warnings():   # quantized tensor dtypes are deprecated; fbgemm still takes them
-            warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
-            layer.w8a8_packed = torch.ops.quantized.linear_prepack(qw, bias)   # fbgemm packed [N, K] + bias
+        layer.w8a8_weight_t = q.t()                    # [K, N] int8 (a transposed view: _int_mm takes it as is)
+        layer.w8a8_weight_scale = scale                # [N] float32
         self.drop_float_weight(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), layer.w8a8_packed, self.reduce_range)
+        """x [T, K] float32 -> [T, N] float32."""
+        x = x.float()
+        x_scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)    # [T, 1]
+        xq = torch.round(x / x_scale).to(torch.int8)                                   # [T, K], |xq| <= 127
+        y = torch._int_mm(xq, layer.w8a8_weight_t)                                    # [T, N] int32
+        out = torch.mul(y, x_scale).mul_(layer.w8a8_weight_scale)
+        return self.add_bias(layer, out)
