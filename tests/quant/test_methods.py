@@ -100,7 +100,7 @@ class TiedLM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight
 
 
-@pytest.mark.parametrize("name,head_kind", [("int8", "int8"), ("int4", "int8"), ("w8a8", "int8")])
+@pytest.mark.parametrize("name,head_kind", [("int8", "int8"), ("int4", "int8")])
 def test_tied_lm_head_gets_its_own_copy_and_the_embedding_stays_float(name, head_kind):
     model = TiedLM()
     embed = model.embed_tokens.weight.data.clone()
@@ -119,11 +119,13 @@ def test_tied_lm_head_can_stay_float32():
     assert model.proj.quant_method.name == "int4"
 
 
-def test_w8a8_keeps_down_proj_weight_only():
-    model = nn.Module()
-    model.down_proj, model.gate_up_proj = Linear(64, 32), Linear(32, 64)
+def test_w8a8_keeps_sensitive_layers_float32():
+    model = TiedLM()
+    model.down_proj, model.qkv_proj, model.gate_up_proj = Linear(64, 32), Linear(32, 96), Linear(32, 64)
     quantize_model(model, "w8a8")
-    assert model.down_proj.quant_method.name == "int8" and model.gate_up_proj.quant_method.name == "w8a8"
+    assert [m.quant_method.name for m in (model.down_proj, model.qkv_proj, model.lm_head)] == ["fp32"] * 3
+    assert model.gate_up_proj.quant_method.name == "w8a8" and model.proj.quant_method.name == "w8a8"
+    assert model.lm_head.weight is model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))

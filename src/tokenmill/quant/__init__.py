@@ -17,6 +17,7 @@ from tokenmill.quant.base import QuantMethod
 logger = logging.getLogger("tokenmill")
 
 _METHODS = {
+    "fp32": ("tokenmill.quant.unquantized", "UnquantizedMethod"),   # per-layer choice inside other methods
     "int8": ("tokenmill.quant.int8", "Int8WeightOnlyMethod"),
     "int4": ("tokenmill.quant.int4", "Int4WeightOnlyMethod"),
     "w8a8": ("tokenmill.quant.w8a8", "W8A8DynamicMethod"),
@@ -24,7 +25,8 @@ _METHODS = {
 
 
 def supported_methods() -> list[str]:
-    return sorted(_METHODS)
+    """The user-facing choices ("fp32" exists for per-layer choices inside other methods)."""
+    return sorted(m for m in _METHODS if m != "fp32")
 
 
 def get_quant_method(name: str) -> QuantMethod:

@@ -4,10 +4,12 @@ oneDNN with VNNI: 750-870 GFLOP/s here against about 220 for the fp32 GEMM), flo
 
 Per-token scales keep every row's result independent of the other rows in the batch, so a request gets
 the same tokens whatever shares its step (fbgemm's dynamic linear uses one scale for the whole batch and
-does not). Where it pays: o_proj (input: attention output) and gate|up (input: RMSNorm output), which
-hold 2/3 of a layer's weights. down_proj's input silu(gate) * up has outlier channels (+56% perplexity
-with 8-bit activations), and qkv_proj and the lm_head are more sensitive, so those use weight-only int8
-(quant/int8.py). Figures: benchmarks/quant_quality.py.
+does not). It is the batch-throughput mode: o_proj and gate|up (inputs: attention output, RMSNorm output)
+take int8 activations. qkv_proj (int8 activations there cost about as much perplexity as the other two
+together), down_proj (its input silu(gate) * up has outlier channels: +56% perplexity with 8-bit
+activations) and the lm_head stay float32 on the oneDNN path: weight-only int8 would read fewer bytes at
+batch 1, but its bf16 kernel runs batches at a fraction of the fp32 GEMM's speed.
+Figures: benchmarks/quant_quality.py, benchmarks/offline_throughput.py --quantization w8a8.
 """
 from __future__ import annotations
 
@@ -16,16 +18,16 @@ import torch
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.int8 import quantize_per_channel_int8
 
-WEIGHT_ONLY_LAYERS = ("down_proj", "qkv_proj")
+FLOAT_LAYERS = ("down_proj", "qkv_proj")
 
 
 class W8A8DynamicMethod(QuantMethod):
     name = "w8a8"
-    lm_head_method = "int8"
+    lm_head_method = "fp32"
 
     def method_for(self, prefix: str) -> str | None:
-        if prefix.split(".")[-1] in WEIGHT_ONLY_LAYERS:
-            return "int8"
+        if prefix.split(".")[-1] in FLOAT_LAYERS:
+            return "fp32"
         return super().method_for(prefix)
 
     def process_weights_after_loading(self, layer) -> None:
