@@ -61,6 +61,13 @@ def test_run_cap():
     assert len(res.runs) == 4 and res.stopped_by_max_runs
 
 
+def test_run_cap_during_widening_still_reports_the_best_passing_run():
+    # regression: a cap reached before any failure used to report "no QPS met the limits"
+    res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, precision=0.001, max_runs=3)))
+    assert [r["target_qps"] for r in res.rows] == [0.5, 1.0, 2.0] and all(r["meets_limits"] for r in res.rows)
+    assert res.peak_qps == 2.0 and res.peak is res.runs[-1] and not res.confirmed
+
+
 def test_time_budget_stops_new_runs():
     res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, time_budget_s=0.0)))
     assert res.rows == [] and res.peak_qps is None and res.stopped_by_max_runs

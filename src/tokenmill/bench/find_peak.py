@@ -37,6 +37,7 @@ class PeakResult:
     runs: list[Outcome] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     stopped_by_max_runs: bool = False  # the run cap or the time budget ended the search
+    confirmed: bool = False            # peak came from a confirming run (else: the best passing search run)
 
 
 def meets_limits(o: Outcome) -> bool:
@@ -55,6 +56,7 @@ class _Search:
     def __init__(self, session: BenchSession, cfg: PeakSearchConfig):
         self.session, self.cfg, self.result = session, cfg, PeakResult(None, None)
         self.t0 = time.perf_counter()
+        self.best: Outcome | None = None   # the passing run at the highest QPS so far
 
     def _out_of_budget(self, ignore_time: bool) -> bool:
         budget = self.cfg.time_budget_s
@@ -71,6 +73,8 @@ class _Search:
         o = await self.session.run(sc, label=f"Server @ {qps:.4g} QPS ({phase})", prefix=f"{phase}{len(self.result.runs)}")
         self.result.runs.append(o)
         self.result.rows.append(table_row(o, phase))
+        if meets_limits(o) and (self.best is None or qps > self.best.result.target_qps):
+            self.best = o
         return o
 
 
@@ -104,12 +108,16 @@ async def find_peak(session: BenchSession, cfg: PeakSearchConfig) -> PeakResult:
 
 
 async def _confirm(s: _Search, qps: float) -> None:
-    """Confirm the found QPS (the first confirmation may overrun the time budget, not the run cap)."""
+    """Confirm the found QPS (the first confirmation may overrun the time budget, not the run cap). When
+    the run cap leaves no room to confirm, the peak is the best passing run of the search itself: a
+    lower bound, reported as unconfirmed."""
     for attempt in range(s.cfg.max_backoffs + 1):
         o = await s.run(qps, "confirm", ignore_time=attempt == 0)
         if o is None:
-            return
+            break
         if meets_limits(o):
-            s.result.peak_qps, s.result.peak = qps, o
+            s.result.peak_qps, s.result.peak, s.result.confirmed = qps, o, True
             return
         qps *= 1.0 - s.cfg.precision                      # back off one step
+    if s.best is not None:
+        s.result.peak_qps, s.result.peak = s.best.result.target_qps, s.best

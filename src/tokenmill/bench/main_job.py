@@ -28,7 +28,7 @@ class MainJobConfig:
     max_query_count: int = 24          # cap per Server run, keeps the job to minutes
     start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
     precision: float = 0.2             # relative QPS precision of the peak search
-    max_runs: int = 5                  # Server runs in the peak search, confirmation included
+    max_runs: int = 8                  # Server runs in the peak search, confirmation included
     search_budget_s: float = 180.0     # s; no new search run starts after this (the confirmation may)
     seed: int = 0
 

@@ -94,7 +94,8 @@ def peak_table(rows: list[dict]) -> list[str]:
 
 
 def peak_sections(result, out_dir: str, stem: str) -> list[str]:
-    head = (f"**Peak target QPS meeting the limits: {result.peak_qps:.4g}** (confirmed by a second run)"
+    how = "confirmed by a second run" if result.confirmed else "the best passing run; no room left to confirm it"
+    head = (f"**Peak target QPS meeting the limits: {result.peak_qps:.4g}** ({how})"
             if result.peak_qps is not None else "**No target QPS met the limits** (lower the start QPS)")
     lines = ["## find-peak", "", head, "",
              "The search (like LoadGen's FindPeakPerformance) tests the latency limits and failures only; the "
