@@ -12,7 +12,7 @@ from tokenmill.server.protocol import (AssistantMessage, ChatChoice, ChatComplet
                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatStreamChoice,
                                        DeltaMessage, TokenLogprob, TopLogprob)
 from tokenmill.server.serving_engine import EngineCall, Serving, logprob_token_text, new_id
-from tokenmill.server.streaming import DONE, SSEResponse, sse
+from tokenmill.server.streaming import DONE, respond, sse
 
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -> Response:
@@ -29,13 +29,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -
     max_tokens = serving.resolve_max_tokens(len(prompt_ids), requested, param)
     params = serving.sampling_params(req, max_tokens, num_logprobs)
     call = serving.start(new_id("chatcmpl"), [prompt_ids], params)
-    writer = _ChatWriter(serving, req, call)
-    if req.stream:
-        return SSEResponse(writer.stream(), call.close)
-    try:
-        return await writer.full()
-    finally:
-        await call.close()
+    return await respond(_ChatWriter(serving, req, call), call.close, req.stream)
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:

@@ -14,7 +14,7 @@ from tokenmill.outputs import CompletionOutput, TokenLogprobs
 from tokenmill.server.errors import OpenAIError, bad_request
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from tokenmill.server.serving_engine import EngineCall, Serving, logprob_token_text, new_id
-from tokenmill.server.streaming import DONE, SSEResponse, sse
+from tokenmill.server.streaming import DONE, respond, sse
 
 
 @dataclass
@@ -31,13 +31,7 @@ async def create_completion(serving: Serving, req: CompletionRequest) -> Respons
     max_tokens = min(serving.resolve_max_tokens(len(p), req.max_tokens, "max_tokens") for p in prompts.token_ids)
     params = serving.sampling_params(req, max_tokens, req.logprobs)
     call = serving.start(new_id("cmpl"), prompts.token_ids, params)
-    writer = _CompletionWriter(serving, req, prompts, call)
-    if req.stream:
-        return SSEResponse(writer.stream(), call.close)
-    try:
-        return await writer.full()
-    finally:
-        await call.close()
+    return await respond(_CompletionWriter(serving, req, prompts, call), call.close, req.stream)
 
 
 def _reject_unsupported(req: CompletionRequest) -> None:

@@ -86,3 +86,14 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def respond(writer, close: Callable[[], Awaitable[None]], stream: bool) -> Response:
+    """The response for one engine call: SSE that runs `close` when the stream ends (however it ends), or
+    the full body, with `close` run on every exit path."""
+    if stream:
+        return SSEResponse(writer.stream(), close)
+    try:
+        return await writer.full()
+    finally:
+        await close()
