@@ -141,7 +141,10 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, (loop, stream) in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:   # the engine may be what failed: still tell every caller
+                logger.exception("abort of %s failed", rid)
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, error)
             except RuntimeError:

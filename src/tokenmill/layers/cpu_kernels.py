@@ -32,7 +32,12 @@ def load():
     if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
         return None
     try:
+        import sys
         from torch.utils.cpp_extension import load as build
+        # the `ninja` pip package installs its binary next to this interpreter, which may not be on PATH
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         with open(SOURCE, "rb") as f:
             src_hash = hashlib.sha256(f.read()).hexdigest()[:10]
         root = os.environ.get("TOKENMILL_CACHE_DIR", os.path.expanduser("~/.cache/tokenmill"))
