@@ -129,7 +129,10 @@ def test_extreme_temperatures():
 
 
 def test_bfloat16_logits_are_accepted():
-    logits = torch.randn(8, 300).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 300, generator=g)
+    logits[torch.arange(8), torch.randint(0, 300, (8,), generator=g)] += 10   # one clear maximum per row:
+    logits = logits.to(torch.bfloat16)                                         # bf16 rounding makes ties
     metas = [meta(temperature=0), meta(temperature=0, logprobs=2)] * 4
     out = Sampler()(logits, metas)
     assert out.token_ids == logits.float().argmax(-1).tolist()
