@@ -6,7 +6,7 @@ what was expected, so the server can turn it into a 400 without touching the eng
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 # Upper bound on top-k logprobs per token; the server exposes a configurable lower limit.
 MAX_LOGPROBS = 20
@@ -33,7 +33,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None             # top-k logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # stop: a str, None or any iterable of str becomes a tuple; stop_token_ids: None or iterable.
@@ -87,7 +86,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def replace(self, **changes) -> "SamplingParams":
-        from dataclasses import replace
         return replace(self, **changes)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.request import FinishReason, Request
@@ -65,7 +65,7 @@ class LLMEngine:
     def _make_config(self, args: EngineArgs, source) -> EngineConfig:
         model = ModelConfig.from_hf(source.hf_config, args.torch_dtype)
         eos = tuple(dict.fromkeys(model.eos_token_ids + source.extra_eos_ids))
-        model = _replace(model, eos_token_ids=eos)
+        model = replace(model, eos_token_ids=eos)
         max_len = args.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
@@ -226,7 +226,3 @@ class LLMEngine:
         s.generation_tokens_total = self.generation_tokens_total
         return s
 
-
-def _replace(cfg, **changes):
-    from dataclasses import replace
-    return replace(cfg, **changes)

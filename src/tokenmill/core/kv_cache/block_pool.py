@@ -82,10 +82,6 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

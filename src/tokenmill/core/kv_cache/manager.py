@@ -91,6 +91,3 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
