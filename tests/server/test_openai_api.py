@@ -161,8 +161,8 @@ def test_metrics_move(server, client, model_name):
 
 
 def test_metrics_gauges_while_running(server, client, model_name):
-    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})   # long enough to still run while scraped
     next(iter(stream))
     during = scrape(server.url)
     stream.close()
