@@ -35,9 +35,10 @@ def random_step(seed: int, kv_heads: int, group: int, head_dim: int = 16):
     return q, k, v, k_cache, v_cache, inputs.meta
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128])          # 64 and 128 take the vectorized kernel
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4), (3, 3)])
-def test_backends_agree(kv_heads, group):
-    q, k, v, kc, vc, meta = random_step(kv_heads * 10 + group, kv_heads, group)
+def test_backends_agree(kv_heads, group, head_dim):
+    q, k, v, kc, vc, meta = random_step(kv_heads * 10 + group, kv_heads, group, head_dim)
     scale = q.shape[-1] ** -0.5
     ref = get_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     fast = get_backend("cpu")
@@ -47,6 +48,43 @@ def test_backends_agree(kv_heads, group):
     torch_path = fast.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     assert (native - ref).abs().max() < 1e-5
     assert (torch_path - ref).abs().max() < 1e-5
+
+
+def decode_step(context_lens: list[int], kv_heads: int, group: int, head_dim: int, seed: int = 0):
+    """A decode-only step (one new token per request) over shuffled blocks, caches random."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in context_lens) + 4
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    scheduled, used = [], 0
+    for i, n in enumerate(context_lens):
+        nb = -(-n // BLOCK)
+        blocks, used = perm[used:used + nb], used + nb
+        scheduled.append(ScheduledRequest(str(i), [1], n - 1, blocks, True, SamplingParams(), [], [], []))
+    meta = build_step_inputs(SchedulerOutput(scheduled), BLOCK).meta
+    r = len(context_lens)
+    shape = (kv_heads, num_blocks * BLOCK, head_dim)
+    return (torch.randn(r, kv_heads * group, head_dim, generator=g), torch.randn(r, kv_heads, head_dim, generator=g),
+            torch.randn(r, kv_heads, head_dim, generator=g), torch.randn(*shape, generator=g),
+            torch.randn(*shape, generator=g), meta)
+
+
+@pytest.mark.parametrize("context_lens", [[1], [2], [3], [5], [300], [1, 700], [4] * 9])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_decode_splits_short_and_long_contexts_exactly(context_lens, head_dim):
+    """Batch 1-2 splits each context into chunks across the threads (some empty when the context is
+    shorter than the chunk count) and combines their softmaxes; bigger batches take one chunk each."""
+    q, k, v, kc, vc, meta = decode_step(context_lens, 3, 3, head_dim, seed=len(context_lens))
+    scale = head_dim ** -0.5
+    ref = get_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    fast = get_backend("cpu")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):                                     # chunk count is 2 * threads at small batches
+            torch.set_num_threads(n)
+            out = fast.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+            assert (out - ref).abs().max() < 1e-5, n
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_native_kernel_is_cached_after_first_build():
@@ -65,6 +103,24 @@ def test_native_rotary_and_swiglu_match_torch():
     want = _rotate(q.clone(), cos.unsqueeze(1), sin.unsqueeze(1))
     native.rotary_inplace(q, cos, sin)
     assert (qkv[:, :32].view(4, 2, 16) - want).abs().max() < 1e-6
-    x = torch.randn(5, 2 * 24, generator=g)
-    want = torch.nn.functional.silu(x[:, :24]) * x[:, 24:]
-    assert (native.silu_and_mul(x) - want).abs().max() < 1e-6
+    for width in (24, 64, 72):                                   # scalar tail, vector body, both
+        x = torch.randn(5, 2 * width, generator=g) * 4
+        x[0, :4] = torch.tensor([-120.0, -88.0, 90.0, 120.0])      # exp over/underflow at the extremes
+        want = torch.nn.functional.silu(x[:, :width]) * x[:, width:]
+        torch.testing.assert_close(native.silu_and_mul(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_native_rms_norm_matches_torch_and_updates_the_residual_in_place():
+    from tokenmill.layers.norm import RMSNorm
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    assert norm.native is not None
+    x, residual = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g)
+    total = x + residual
+    want = torch.nn.functional.rms_norm(total, (96,), norm.weight, 1e-5)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert new_residual is residual and torch.equal(residual, total)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (96,), norm.weight, 1e-5),
+                               rtol=1e-6, atol=1e-6)

@@ -7,16 +7,107 @@
 //   v_cache  [KV, S, D]
 //   slots    [R, L] int64   cache slot of each context position (row r valid up to lens[r])
 //   lens     [R]    int64   context length of each request, 1 <= lens[r] <= L
-// Returns [R, H, D]. Work is split over (request, kv head) pairs; each pair reads its keys and values once
-// for all G query heads of the group.
+// Returns [R, H, D]. Work is split over (request, kv head) pairs, each reading its keys and values once for
+// all G query heads of the group; with AVX-512 and head_dim 64 or 128, vectorized (attend_chunk_avx512),
+// and at batch sizes too small for the threads, over chunks of the context (chunked_decode_attention).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "gemv_kernels.h"
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, |f| <= 0.5;
+// relative error about 2e-7. Inputs below -87 are taken as -87 (exp = 1.6e-38); above 88.7 give inf.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));   // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kAhead = 24;   // positions prefetched ahead: K/V rows come from DRAM in random blocks
+
+template <int64_t D>
+inline void prefetch_row(const float* row) {
+  for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
+// One chunk of a request's context for the G query heads of one KV head, head_dim D = 16 * DV. Writes, per
+// head, the chunk's score maximum m, its sum of exp(score - m) l, and out = sum of exp(score - m) * v
+// (unnormalized), for combine_chunks. Heads run one after the other: the chunk's keys and values stay in
+// L1/L2 after the first.
+template <int DV>
+void attend_chunk_avx512(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
+                         int64_t n, int64_t G, float scale, float* scores, float* out, float* m_out,
+                         float* l_out) {
+  constexpr int64_t D = 16 * DV;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[DV];
+    for (int i = 0; i < DV; ++i) qv[i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(scale));
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < n; ++l) {
+      const float* k = k_head + slots[l] * D;
+      if (g == 0 && l + kAhead < n) {   // slots need not be adjacent; V is read right after this pass
+        prefetch_row<D>(k_head + slots[l + kAhead] * D);
+        prefetch_row<D>(v_head + slots[l + kAhead] * D);
+      }
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), qv[0]);
+      for (int i = 1; i < DV; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * i), qv[i], acc);
+      const float sc = _mm512_reduce_add_ps(acc);
+      scores[l] = sc;
+      mx = std::max(mx, sc);
+    }
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l += 16) {
+      const __mmask16 mask = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + l), m));
+      _mm512_mask_storeu_ps(scores + l, mask, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    }
+    __m512 acc[DV];
+    for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; ++l) {
+      const float* v = v_head + slots[l] * D;
+      const __m512 p = _mm512_set1_ps(scores[l]);
+      for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + g * D + 16 * i, acc[i]);
+    m_out[g] = mx;
+    l_out[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+bool attend_chunk(const float* q, const float* k_head, const float* v_head, const int64_t* slots, int64_t n,
+                  int64_t G, int64_t D, float scale, float* scores, float* out, float* m_out, float* l_out) {
+  if (D == 64) {
+    attend_chunk_avx512<4>(q, k_head, v_head, slots, n, G, scale, scores, out, m_out, l_out);
+  } else if (D == 128) {
+    attend_chunk_avx512<8>(q, k_head, v_head, slots, n, G, scale, scores, out, m_out, l_out);
+  } else {
+    return false;
+  }
+  return true;
+}
+#endif
 
 void attend_one(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
                 int64_t n, int64_t G, int64_t D, float scale, float* scores, float* out) {
@@ -58,6 +149,56 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
 
 }  // namespace
 
+#if defined(__AVX512F__)
+// Work items: (request, KV head, chunk of the context). With enough (request, KV head) pairs for the
+// threads each pair is one chunk; otherwise (batch 1) every context is cut into 2 * threads chunks so all
+// threads read keys and values from memory at once (flash-decoding), and the chunks' partial softmaxes
+// are combined: out = sum_c exp(m_c - M) out_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
+void chunked_decode_attention(const float* qp, const float* kp, const float* vp, const int64_t* sp,
+                              const int64_t* lp, int64_t R, int64_t H, int64_t KV, int64_t S, int64_t L,
+                              int64_t D, float sc, float* op) {
+  const int64_t G = H / KV, threads = at::get_num_threads();
+  const int64_t C = R * KV >= 2 * threads ? 1 : 2 * threads;
+  std::vector<float> part_out(C == 1 ? 0 : R * KV * C * G * D), part_m(R * KV * C * G), part_l(R * KV * C * G);
+  at::parallel_for(0, R * KV * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(L);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t pair = idx / C, c = idx % C, r = pair / KV, h = pair % KV;
+      const int64_t n = lp[r], first = n * c / C, last = n * (c + 1) / C;
+      float* out = C == 1 ? op + (r * H + h * G) * D : part_out.data() + idx * G * D;
+      attend_chunk(qp + (r * H + h * G) * D, kp + h * S * D, vp + h * S * D, sp + r * L + first, last - first,
+                   G, D, sc, scores.data(), out, part_m.data() + idx * G, part_l.data() + idx * G);
+    }
+  });
+  at::parallel_for(0, R * KV, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t r = pair / KV, h = pair % KV;
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (r * H + h * G + g) * D;
+        if (C == 1) {
+          const float inv = 1.f / part_l[pair * G + g];
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+          continue;
+        }
+        float M = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t c = 0; c < C; ++c) M = std::max(M, part_m[(pair * C + c) * G + g]);
+        std::fill(o, o + D, 0.f);
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t i = (pair * C + c) * G + g;
+          if (part_l[i] == 0.f) continue;                       // empty chunk (context shorter than C)
+          const float w = std::exp(part_m[i] - M);
+          total += w * part_l[i];
+          const float* oc = part_out.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * oc[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slots, torch::Tensor lens, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
@@ -77,13 +218,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, op);
+    return out;
+  }
+#endif
+  // Portable path: one work item per (request, KV head), reading its keys and values once for all G heads.
   at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t r = idx / KV, h = idx % KV;
-      const int64_t n = lp[r];
       const int64_t offset = (r * H + h * G) * D;
-      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L, n, G, D, sc, scores.data(),
+      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L, lp[r], G, D, sc, scores.data(),
                  op + offset);
     }
   });
@@ -164,8 +311,57 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* g = xp + t * s0;
       const float* u = g + I;
       float* o = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {   // g / (1 + exp(-g)) * u; exp16 saturates to inf for g < -87: -0
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                              _mm512_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// RMSNorm over the last dim, float32: out = x / sqrt(mean(x^2) + eps) * weight.
+// With a residual: residual <- residual + x (in place) first, and the sum is normalized instead.
+//   x [T, H] (contiguous rows), residual [T, H] contiguous or None, weight [H]. Returns out [T, H].
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                       double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+                  weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "rms_norm: float32 x [T, H] and weight [H]");
+  const int64_t T = x.size(0), H = x.size(1), ldx = x.stride(0);
+  float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->is_contiguous() &&
+                    residual->size(0) == T && residual->size(1) == H, "rms_norm: residual must match x");
+    rp = residual->data_ptr<float>();
+  }
+  auto out = torch::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = xp + t * ldx;
+      if (rp != nullptr) {
+        float* r = rp + t * H;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < H; ++i) r[i] += src[i];
+        src = r;
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+      float* o = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * wp[i];
     }
   });
   return out;
@@ -176,4 +372,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU, float32)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+#ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
+    m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",
+          py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("N"));
+    m.def("gemv_q4", &gemv_q4, "x @ (d * q4 + m)^T, q4 tiles of 16 rows x 32 inputs (CPU)", py::arg("x"),
+          py::arg("q"), py::arg("N"));
+#endif
 }

@@ -1,5 +1,6 @@
-"""Native CPU kernels (csrc/cpu_kernels.cpp: paged decode attention, KV cache write, rotary, SwiGLU),
-built on first use with torch.utils.cpp_extension and cached on disk.
+"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached on disk:
+csrc/cpu_kernels.cpp (paged decode attention, KV cache write, rotary, SwiGLU, RMSNorm) and
+csrc/gemv_kernels.cpp (small-batch linear layers: float32, int8 and Q4_1-layout int4 weights).
 
 `load()` returns the compiled module, or None when no compiler is available: callers then use the
 pure-torch path, which computes the same attention (to float rounding). The build happens once per
@@ -13,8 +14,9 @@ import logging
 import os
 
 logger = logging.getLogger("tokenmill")
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc",
-                      "cpu_kernels.cpp")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp")]
+HEADERS = [os.path.join(CSRC, "gemv_kernels.h")]
 
 
 def _cpu_tag() -> str:
@@ -38,12 +40,15 @@ def load():
         bin_dir = os.path.dirname(sys.executable)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        with open(SOURCE, "rb") as f:
-            src_hash = hashlib.sha256(f.read()).hexdigest()[:10]
+        digest = hashlib.sha256()
+        for path in SOURCES + HEADERS:
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        src_hash = digest.hexdigest()[:10]
         root = os.environ.get("TOKENMILL_CACHE_DIR", os.path.expanduser("~/.cache/tokenmill"))
         build_dir = os.path.join(root, "kernels", f"cpu-{_cpu_tag()}-{src_hash}")
         os.makedirs(build_dir, exist_ok=True)
-        return build(name=f"tokenmill_cpu_{src_hash}", sources=[SOURCE], build_directory=build_dir,
+        return build(name=f"tokenmill_cpu_{src_hash}", sources=SOURCES, build_directory=build_dir,
                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                      verbose=False)
     except Exception as e:  # no compiler or ninja: the torch path is used instead

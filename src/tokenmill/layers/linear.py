@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.quant import small_batch
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.unquantized import UnquantizedMethod
 
@@ -25,14 +26,18 @@ class Linear(nn.Module):
         self.prefix = ""                              # module name, for error messages
         self.quant_method: QuantMethod = _UNQUANTIZED
         self.quant_method.create_weights(self)
+        self.small_batch_fn = None                    # x -> y for steps of <= small_batch.MAX_ROWS rows
 
     def set_quant_method(self, method: QuantMethod) -> None:
         """After loading: pack the float weight for `method` and use it from now on."""
         method.process_weights_after_loading(self)
         self.quant_method = method
+        self.small_batch_fn = method.small_batch_kernel(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
+        if self.small_batch_fn is not None and x.shape[0] <= small_batch.MAX_ROWS:
+            return self.small_batch_fn(x)
         return self.quant_method.apply(self, x)
 
     def shard_rows(self, shard_id) -> slice:

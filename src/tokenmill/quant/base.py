@@ -5,6 +5,8 @@ A method object is stateless and shared by all layers that use it; what it compu
     create_weights(layer)                  at construction: the float32 `weight` [out, in] checkpoints load into
     process_weights_after_loading(layer)   once, after loading: pack `weight` for the kernel, drop it
     apply(layer, x)                        every forward: x [T, in] float32 -> [T, out] float32
+    small_batch_kernel(layer)              once, after packing: a faster function for steps of at most
+                                           quant.small_batch.MAX_ROWS rows, or None
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class QuantMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] float32 -> [T, out_features] float32 (bias included)."""
         raise NotImplementedError
+
+    def small_batch_kernel(self, layer: nn.Module):
+        """A function x [T, in] float32 -> [T, out] float32 (bias included) for T <= small_batch.MAX_ROWS,
+        bound to this layer's packed weights; None when `apply` is the only path."""
+        return None
 
     @staticmethod
     def drop_float_weight(layer: nn.Module) -> None:

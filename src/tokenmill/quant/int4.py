@@ -8,11 +8,15 @@ GGUF Q4_1 stores w = d * q + m per 32 values, so it maps exactly with scale = d,
 Activations: as for int8, the kernel's vectorized path takes bfloat16 only (float32 runs a scalar loop
 about 30x slower), so x, scale and zero are bfloat16 in the call; accumulation is float32 inside.
 Shapes: out_features a multiple of 16 and in_features a multiple of 32.
+
+Small batches (quant/small_batch.py): a second copy in the native kernel's tile layout (`q4_tiles`, with
+Q4_1's float16 d and m = zero - 8 * scale per group; exact for GGUF Q4_1) runs steps of up to 16 rows.
 """
 from __future__ import annotations
 
 import torch
 
+from tokenmill.quant import small_batch
 from tokenmill.quant.base import QuantMethod
 
 GROUP_SIZE = 32
@@ -43,6 +47,15 @@ class Int4WeightOnlyMethod(QuantMethod):
         sz = torch.stack([scale.t(), zero.t()], dim=-1).to(self.compute_dtype).contiguous()  # [K/32, N, 2]
         layer.register_buffer("int4_packed", packed, persistent=False)              # [N, K/2] uint8
         layer.register_buffer("scales_and_zeros", sz, persistent=False)
+        if small_batch.kernels() is not None:                         # in_features % 32 == 0 (check_shape)
+            layer.register_buffer("q4_tiles", pack_q4_tiles(q, scale, zero - 8.0 * scale), persistent=False)
+
+    def small_batch_kernel(self, layer):
+        tiles = getattr(layer, "q4_tiles", None)
+        if tiles is None or self.compute_dtype != torch.bfloat16:    # float32 compute: the exact reference path
+            return None
+        gemv_q4, n = small_batch.kernels().gemv_q4, layer.out_features
+        return small_batch.with_bias(lambda x: gemv_q4(x, tiles, n), layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype).contiguous()
@@ -53,10 +66,27 @@ class Int4WeightOnlyMethod(QuantMethod):
 
 def quantize_groupwise_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
     """w [N, K] float -> (q [N, K] uint8 0..15, scale [N, K/g], zero [N, K/g]) float32 with
-    w ~= (q - 8) * scale + zero: min/max per group (the Q4_1 recipe), round to nearest."""
+    w ~= (q - 8) * scale + zero: min/max per group (the Q4_1 recipe, whose d = scale and m = min are
+    float16: rounded to float16 first, so both kernels' layouts hold them exactly), round to nearest."""
     n, k = w.shape
     g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)                                          # [N, K/g]
-    scale = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+    lo = g.amin(dim=-1).half().float()                                               # [N, K/g]
+    scale = ((g.amax(dim=-1) - lo) / 15.0).half().float().clamp_min(torch.finfo(torch.float16).tiny)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     return q.reshape(n, k), scale, lo + 8.0 * scale
+
+
+
+def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q [N, K] 0..15, d, m [N, K/32] (w = d * q + m) -> [ceil(N/16), K/32, 320] uint8 tiles of the native
+    small-batch kernel (layout in csrc/gemv_kernels.cpp): per 16 rows x 32 inputs, 256 bytes of nibbles
+    (byte 4i + j of chunk c: row i's inputs 8c + j low, 8c + 4 + j high), then d and m as float16."""
+    n, k = q.shape
+    groups, blocks = k // GROUP_SIZE, (n + 15) // 16
+    pad = blocks * 16 - n                                               # zero rows complete the last block
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(blocks, 16, groups, 4, 2, 4)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4))                      # [B, 16 rows, G, 4 chunks, 4]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+    halves = [torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).to(torch.float16).view(blocks, 16, groups)
+              .transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m)]   # [B, G, 32] each
+    return torch.cat([nibbles] + halves, dim=-1).contiguous()

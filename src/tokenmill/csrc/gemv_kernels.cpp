@@ -1,0 +1,216 @@
+// Small-batch linear layers (a few rows of activations against a large weight): decode at batch 1-16,
+// where a step is bound by reading every weight once. The weights are split evenly over the threads and
+// streamed once; the activations (a few KB) stay in L1.
+//
+//   gemv_q8(x [M, K] f32, q [N/16, K/32, 512] int8, scale [N/16*16] f32, N)   w[n, k] = q[n, k] * scale[n]
+//   gemv_q4(x [M, K] f32, q [N/16, K/32, 320] uint8, N)                       w[n, k] = d[n, g] q4[n, k] + m[n, g]
+// (N/16 rounded up.)
+// Both return y [M, N] float32; x rows may be strided (last dim contiguous), the weights are contiguous.
+//
+// Integer dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds of unsigned by signed bytes per
+// instruction): each group of 32 activations is quantized to int8 with its own scale, x[k] ~= s[g] xi[k],
+// s[g] = max |x| over the group / 127 (llama.cpp's Q8_0 recipe). q4's offsets m multiply the exact float
+// sums of x, so only the d * q part sees the activation rounding.
+//
+// Both lay 16 output rows side by side, so each VNNI lane accumulates one row and no horizontal sums are
+// needed; tiles of 16 rows x 32 inputs (one group) follow in (row block, group) order, rows past N zero.
+// q8 tile = 512 bytes: byte 64c + 4i + j holds row i's input 4c + j (c = 0..7, j = 0..3).
+// q4 tile = 320 bytes:
+//   bytes [64c, 64c + 64), c = 0..3: byte 4i + j holds row i's input 8c + j (low nibble) and 8c + 4 + j
+//                                    (high nibble), j = 0..3;
+//   bytes [256, 288): d of the 16 rows (float16);  bytes [288, 320): m of the 16 rows (float16).
+// GGUF Q4_1's d and m are float16 too: 20 bytes per 32 weights, as in the file.
+#include "gemv_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only (gemv_kernels.h)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kTileRows = 4;   // activation rows per pass over the weights
+
+// Evenly split [0, N) over the threads; small weights run on one thread (a fork costs a few us).
+template <class F>
+void parallel_over_rows(int64_t N, int64_t weight_bytes, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = weight_bytes < (64 << 10) ? N : (N + threads - 1) / threads;
+  at::parallel_for(0, N, grain, f);
+}
+
+void check_x(const torch::Tensor& x, int64_t K, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K,
+              name, ": x must be float32 [M, ", K, "] with contiguous rows, got ", x.sizes());
+}
+
+// x [M, K] quantized per group of 32 (K a multiple of 32): x[m, k] ~= s[m, g] * xi[m, k].
+struct QuantizedRows {
+  int64_t M, K, G;            // rows, inputs, groups of 32
+  std::vector<int8_t> xi;     // [M, K]
+  std::vector<float> s;       // [M, G]
+  std::vector<float> xsum;    // [M, G] exact float sum of x over each group (q4 offsets)
+  std::vector<float> shift;   // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
+
+  QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
+      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_) {
+    for (int64_t m = 0; m < M; ++m) {
+      double sh = 0.0;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * ldx + 32 * g;
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float scale = amax > 0.f ? amax / 127.f : 1.f;
+        const __m512 inv = _mm512_set1_ps(1.f / scale);
+        // round to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, saturated anyway
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        int8_t* out = xi.data() + m * K + 32 * g;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(ia));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(ib));
+        s[m * G + g] = scale;
+        xsum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        sh += 128.0 * scale * _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+      }
+      shift[m] = static_cast<float>(sh);
+    }
+  }
+};
+
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// q8: y[m0 + m, 16 rb .. 16 rb + 16). Weights as unsigned (q + 128, flipping the sign bit) times int8
+// activations; the +128 is taken back once per row of x (QuantizedRows::shift).
+template <int MB>
+void q8_row_block(const QuantizedRows& a, int64_t m0, const int8_t* tiles, const float* scale, float* y,
+                  int64_t ldy, int64_t rb, int64_t N) {
+  const int64_t G = a.G;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int8_t* tile = tiles + rb * G * 512;
+  for (int64_t g = 0; g < G; ++g, tile += 512) {
+    __m512i dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 512 + 64 * c), _MM_HINT_T0);
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * c), flip);
+      for (int m = 0; m < MB; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, a.xi.data() + (m0 + m) * a.K + 32 * g + 4 * c, 4);
+        dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x4));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(a.s[(m0 + m) * G + g]), acc[m]);
+  }
+  const __m512 sc = _mm512_loadu_ps(scale + 16 * rb);
+  const __mmask16 mask = tail_mask(N - 16 * rb);
+  for (int m = 0; m < MB; ++m)
+    _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask,
+                          _mm512_mul_ps(sc, _mm512_sub_ps(acc[m], _mm512_set1_ps(a.shift[m0 + m]))));
+}
+
+// y[m0 + m, 16 rb .. 16 rb + 16) for MB rows of x: one block of 16 weight rows, group by group.
+template <int MB>
+void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, float* y, int64_t ldy, int64_t rb,
+                  int64_t N) {
+  const int64_t G = a.G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* tile = tiles + rb * G * 320;
+  for (int64_t g = 0; g < G; ++g, tile += 320) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 256), _MM_HINT_T0);
+    __m512i dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i w = _mm512_loadu_si512(tile + 64 * c);
+      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* x8 = a.xi.data() + (m0 + m) * a.K + 32 * g + 8 * c;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, x8, 4);
+        std::memcpy(&x_hi, x8 + 4, 4);
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+    for (int m = 0; m < MB; ++m) {
+      const int64_t sg = (m0 + m) * G + g;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(a.s[sg])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[sg]), acc[m]);
+    }
+  }
+  const __mmask16 mask = tail_mask(N - 16 * rb);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, acc[m]);
+}
+
+// Calls block(rows, m0, rb) for every tile of up to kTileRows activation rows starting at m0 and every
+// row block rb in [b0, b1); rows is std::integral_constant<int, 1..4>, selecting the instantiation.
+template <class F>
+void for_tiles(int64_t M, int64_t b0, int64_t b1, const F& block) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      switch (std::min(kTileRows, M - m0)) {
+        case 1: block(std::integral_constant<int, 1>(), m0, rb); break;
+        case 2: block(std::integral_constant<int, 2>(), m0, rb); break;
+        case 3: block(std::integral_constant<int, 3>(), m0, rb); break;
+        default: block(std::integral_constant<int, 4>(), m0, rb); break;
+      }
+    }
+}
+
+}  // namespace
+
+torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 3 && q.is_contiguous() && q.size(2) == 512 &&
+                  q.size(0) == (N + 15) / 16, "gemv_q8: weight must be contiguous int8 [", (N + 15) / 16,
+              ", K/32, 512] tiles, got ", q.sizes());
+  const int64_t K = 32 * q.size(1), M = x.size(0), blocks = q.size(0);
+  check_x(x, K, "gemv_q8");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == 16 * blocks,
+              "gemv_q8: scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
+  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
+    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+      q8_row_block<decltype(rows)::value>(a, m0, qp, sp, yp + m0 * N, N, rb, N);
+    });
+  });
+  return y;
+}
+
+torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
+  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && q.size(2) == 320 &&
+                  q.size(0) == (N + 15) / 16, "gemv_q4: weight must be contiguous uint8 [", (N + 15) / 16,
+              ", K/32, 320] tiles, got ", q.sizes());
+  const int64_t K = 32 * q.size(1), M = x.size(0), blocks = q.size(0);
+  check_x(x, K, "gemv_q4");
+  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
+    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+      q4_row_block<decltype(rows)::value>(a, m0, qp, yp + m0 * N, N, rb, N);
+    });
+  });
+  return y;
+}
+
+#endif  // TOKENMILL_GEMV_KERNELS

@@ -1,0 +1,134 @@
+"""The native small-batch kernels (csrc/gemv_kernels.cpp) against float64 references of what they compute:
+the dequantized weight times activations quantized to int8 per group of 32 (q4 offsets times the exact
+activation sums); their tile layouts; their use by Linear for steps of at most MAX_ROWS rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.layers.linear import Linear
+from tokenmill.quant import get_quant_method, small_batch
+from tokenmill.quant.int4 import pack_q4_tiles, quantize_groupwise_int4
+from tokenmill.quant.int8 import pack_q8_tiles, quantize_per_channel_int8
+
+native = small_batch.kernels()
+pytestmark = pytest.mark.skipif(native is None, reason="small-batch kernels need AVX-512 VNNI and a compiler")
+
+SHAPES = [(96, 64), (100, 576), (36, 1536), (2048, 128), (20, 96)]      # N % 16 != 0, K % 64 != 0 included
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> float64 s[g] * xi, xi = round(x * (1 / s[g])), s = max |x| / 127 per group of 32, in
+    float32 as the kernels compute it (so every xi matches, ties to even included)."""
+    g = x.float().view(x.shape[0], -1, 32)
+    s = g.abs().amax(-1, keepdim=True) / 127
+    s[s == 0] = 1
+    xi = torch.round(g * (1 / s)).clamp(-127, 127)
+    return (xi.double() * s.double()).view_as(x)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
+def test_q4_kernel_matches_float64_reference(n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d = torch.rand(n, k // 32, generator=g).half().float()
+    mn = -torch.rand(n, k // 32, generator=g).half().float()
+    x = torch.randn(m, k, generator=g)
+    w_dq = q.double() * d.double().repeat_interleave(32, 1)                  # d * q part
+    ref = quantized_activations(x) @ w_dq.T + x.double() @ mn.double().repeat_interleave(32, 1).T
+    y = native.gemv_q4(x, pack_q4_tiles(q, d, mn), n)
+    assert y.shape == (m, n) and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+def test_q8_kernel_matches_float64_reference(n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0.0                                          # an all-zero group (scale 1, no division by 0)
+    ref = quantized_activations(x) @ (q.double() * scale.double()[:, None]).T
+    y = native.gemv_q8(x, *pack_q8_tiles(q, scale), n)
+    assert y.shape == (m, n) and rel_err(y, ref) < 1e-5
+
+
+def test_kernels_take_strided_rows_and_reject_wrong_shapes():
+    q = torch.randint(0, 16, (32, 128), dtype=torch.uint8)
+    tiles = pack_q4_tiles(q, torch.ones(32, 4), torch.zeros(32, 4))
+    wide = torch.randn(2, 256)
+    assert torch.equal(native.gemv_q4(wide[:, :128], tiles, 32), native.gemv_q4(wide[:, :128].clone(), tiles, 32))
+    with pytest.raises(RuntimeError, match=r"gemv_q4: x must be float32 \[M, 128\]"):
+        native.gemv_q4(torch.randn(2, 64), tiles, 32)
+    with pytest.raises(RuntimeError, match="gemv_q4: weight must be contiguous uint8"):
+        native.gemv_q4(torch.randn(2, 128), tiles, 48)
+    with pytest.raises(RuntimeError, match="gemv_q8: scale must be contiguous float32"):
+        native.gemv_q8(torch.randn(1, 128), *pack_q8_tiles(torch.zeros(32, 128, dtype=torch.int8),
+                                                           torch.ones(32))[:1], torch.ones(8), 32)
+
+
+def test_q4_tiles_hold_every_nibble_and_float16_scale_once():
+    """Unpack the tile layout in numpy and get q, d and m back exactly."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d, m = torch.rand(n, k // 32, generator=g).half(), torch.rand(n, k // 32, generator=g).half()
+    tiles = pack_q4_tiles(q, d.float(), m.float()).numpy()                   # [3, 4, 320]
+    assert tiles.shape == (3, 4, 320)
+    nib = tiles[:, :, :256].reshape(3, 4, 4, 16, 4)                           # block, group, chunk, row, j
+    lo, hi = nib & 0x0F, nib >> 4
+    full = np.concatenate([lo, hi], axis=-1)                                  # [..., row, 8]: inputs 8c + 0..7
+    full = full.transpose(0, 3, 1, 2, 4).reshape(48, k)[:n]
+    assert np.array_equal(full, q.numpy())
+    scales = tiles[:, :, 256:].copy().view(np.float16).reshape(3, 4, 2, 16)  # block, group, (d, m), row
+    assert np.array_equal(scales[:, :, 0].transpose(0, 2, 1).reshape(48, 4)[:n], d.numpy())
+    assert np.array_equal(scales[:, :, 1].transpose(0, 2, 1).reshape(48, 4)[:n], m.numpy())
+    assert not tiles[2, :, :256].reshape(4, 4, 16, 4)[:, :, 8:].any()        # padding rows are zero
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_uses_the_small_batch_kernel_up_to_max_rows(mode, bias):
+    g = torch.Generator().manual_seed(6)
+    layer = Linear(576, 208, bias=bias)           # int4: PyTorch's kernel needs N % 16 == 0
+    layer.weight.data.copy_(torch.randn(208, 576, generator=g) * 0.05)
+    if bias:
+        layer.bias.data.copy_(torch.randn(208, generator=g))
+    w = layer.weight.data.clone()
+    if mode == "int4":
+        q, scale, zero = quantize_groupwise_int4(w)
+        w_dq = (q.double() - 8) * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    else:
+        q, scale = quantize_per_channel_int8(w)
+        w_dq = q.double() * scale.double()[:, None]
+    layer.set_quant_method(get_quant_method(mode))
+    assert layer.small_batch_fn is not None
+    x = torch.randn(small_batch.MAX_ROWS + 1, 576, generator=g)
+    ref = x.double() @ w_dq.T + (layer.bias.double() if bias else 0)
+    small = layer(x[:small_batch.MAX_ROWS])                 # native kernel: int8 activations per 32
+    large = layer(x)                                        # PyTorch's kernel: bfloat16 activations
+    assert rel_err(small, ref[:small_batch.MAX_ROWS]) < 2e-2 and rel_err(large, ref) < 2e-2
+    one = layer(x[:1])                                      # rows are independent of each other
+    torch.testing.assert_close(one, small[:1], rtol=0, atol=0)
+
+
+def test_gguf_q4_1_scales_reach_the_tiles_exactly():
+    """Q4_1's float16 d and m go into the tiles unchanged (m = zero - 8 d is exact for them)."""
+    from tokenmill.quant.gguf_direct import q4_1_to_int4
+    from tests.quant.test_gguf_direct import random_q4_1
+    n, k = 48, 128
+    raw = random_q4_1(n, k)
+    q, d, zero = q4_1_to_int4(raw, (n, k))
+    blocks = torch.from_numpy(raw).view(n, k // 32, 20)
+    d16 = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    m16 = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+    tiles = pack_q4_tiles(q, d, zero - 8.0 * d)
+    stored = tiles[:, :, 256:].contiguous().view(torch.float16).view(3, k // 32, 2, 16)
+    assert torch.equal(stored[:, :, 0].transpose(1, 2).reshape(n, k // 32), d16)
+    assert torch.equal(stored[:, :, 1].transpose(1, 2).reshape(n, k // 32), m16)
