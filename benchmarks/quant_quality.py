@@ -1,17 +1,22 @@
 """Quality of each quantized mode against fp32 on the default model: perplexity and greedy agreement.
 
-Perplexity: of tests/quant/data/ppl_text.txt (about 700 tokens), in one forward pass of the engine's
-model (`llm.engine.core.runner.model` on hand-built prefill metadata: one sequence, cache slots 0..T-1,
-so the LLMs here run with prefix caching off), exp(mean next-token NLL).
+Perplexity: of tests/quant/data/ppl_text.txt (about 700 tokens), exp(mean next-token NLL), through the
+engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence, cache slots 0..T-1,
+so the LLMs here run with prefix caching off) in two ways, since quantized layers have two kernel paths:
+  prefill: one forward pass of the whole text (steps of many rows: PyTorch's int8/int4 kernels);
+  decode:  the text in chunks of quant.small_batch.MAX_ROWS tokens over the KV cache (the small-batch
+           kernels that decode at batch 1-16 runs, with int8 activations).
 Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's continuations as reference:
   teacher-forced: the quantized model reads prompt + fp32's continuation; the fraction of the 256
-      positions where its argmax equals fp32's token (every position judged in the same context).
+      positions where its argmax equals fp32's token (every position judged in the same context), by
+      both paths as above.
   prefix: the quantized model generates freely; tokens equal to fp32's up to the first divergence,
       over all 256 (strict: one early flip discounts the rest of that prompt).
 
     .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8]
 
-tests/quant/test_quality.py checks: perplexity at most 3% above fp32, teacher-forced agreement >= 90%.
+tests/quant/test_quality.py checks, for both paths: perplexity at most 3% above fp32, teacher-forced
+agreement >= 90%.
 """
 from __future__ import annotations
 
@@ -41,19 +46,23 @@ def make_llm(mode: str | None):
 
 
 @torch.inference_mode()
-def forward_logits(llm, token_ids: list[int]) -> torch.Tensor:
-    """token_ids [T] -> next-token logits [T, vocab] float32, one prefill of one sequence."""
+def forward_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """token_ids [T] -> next-token logits [T, vocab] float32 of one sequence: one prefill, or chunks of
+    `chunk` tokens each attending to the cache the earlier chunks wrote."""
     from tokenmill.layers.attention import AttentionMetadata, SeqSpan
     model = llm.engine.core.runner.model
     n = len(token_ids)
-    slots = torch.arange(n)
-    meta = AttentionMetadata(slot_mapping=slots, seqs=[SeqSpan(0, n, n, slots)])
-    hidden = model(torch.tensor(token_ids), torch.arange(n), meta)
-    return model.compute_logits(hidden)
+    chunk = chunk or n
+    slots, ids, out = torch.arange(n), torch.tensor(token_ids), []
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        meta = AttentionMetadata(slot_mapping=slots[start:end], seqs=[SeqSpan(0, end - start, end, slots[:end])])
+        out.append(model.compute_logits(model(ids[start:end], torch.arange(start, end), meta)))
+    return torch.cat(out)
 
 
-def perplexity(llm, token_ids: list[int]) -> float:
-    logits = forward_logits(llm, token_ids)
+def perplexity(llm, token_ids: list[int], chunk: int | None = None) -> float:
+    logits = forward_logits(llm, token_ids, chunk)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(token_ids[1:]))
     return math.exp(nll.item())
 
@@ -64,10 +73,10 @@ def greedy(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
 
 
-def teacher_forced_agreement(llm, prompt_ids, ref_outputs) -> float:
+def teacher_forced_agreement(llm, prompt_ids, ref_outputs, chunk: int | None = None) -> float:
     hits = total = 0
     for p, ref in zip(prompt_ids, ref_outputs):
-        pred = forward_logits(llm, p + ref)[len(p) - 1: len(p) - 1 + len(ref)].argmax(-1).tolist()
+        pred = forward_logits(llm, p + ref, chunk)[len(p) - 1: len(p) - 1 + len(ref)].argmax(-1).tolist()
         hits += sum(a == b for a, b in zip(pred, ref))
         total += len(ref)
     return hits / total
@@ -83,22 +92,39 @@ def prefix_agreement(outputs, ref_outputs) -> float:
     return same / sum(len(r) for r in ref_outputs)
 
 
-def evaluate(modes: list[str]) -> dict[str, dict[str, float]]:
-    """{mode: {ppl, ppl_rise, teacher_forced, prefix}} with "fp32" as the reference."""
+PATHS = {"prefill": None, "decode": "small_batch"}      # path name -> chunk size (None: one pass)
+
+
+def chunk_of(path: str) -> int | None:
+    from tokenmill.quant import small_batch
+    return small_batch.MAX_ROWS if PATHS[path] == "small_batch" else None
+
+
+def evaluate(modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """{mode: {path: {ppl, ppl_rise, teacher_forced}}, plus "prefix"} with "fp32" as the reference: its
+    one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by float rounding)."""
     with open(TEXT_PATH, encoding="utf-8") as f:
         text = f.read()
     llm = make_llm(None)
     text_ids = llm.tokenizer.encode(text)
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ref_ppl, ref_out = perplexity(llm, text_ids), greedy(llm, prompt_ids)
-    results = {"fp32": dict(ppl=ref_ppl, ppl_rise=0.0, teacher_forced=1.0, prefix=1.0, num_text_tokens=len(text_ids))}
+    results = {"fp32": {}}
+    for path in PATHS:
+        ppl = perplexity(llm, text_ids, chunk_of(path))
+        results["fp32"][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
+                                     teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out, chunk_of(path)))
+    results["fp32"].update(prefix=1.0, num_text_tokens=len(text_ids))
     del llm
     for mode in modes:
         llm = make_llm(mode)
-        ppl = perplexity(llm, text_ids)
-        results[mode] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
-                             teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out),
-                             prefix=prefix_agreement(greedy(llm, prompt_ids), ref_out))
+        results[mode] = {}
+        for path in PATHS:
+            ppl = perplexity(llm, text_ids, chunk_of(path))
+            results[mode][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
+                                       teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out,
+                                                                               chunk_of(path)))
+        results[mode]["prefix"] = prefix_agreement(greedy(llm, prompt_ids), ref_out)
         del llm
     return results
 
@@ -110,9 +136,12 @@ def main() -> None:
     results = evaluate(args.modes.split(","))
     n = results["fp32"]["num_text_tokens"]
     print(f"default model, perplexity over {n} tokens; greedy agreement over {len(PROMPTS)} x {NUM_TOKENS} tokens")
-    print(f"{'mode':6s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
+    print(f"{'mode':6s} {'path':8s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
     for mode, r in results.items():
-        print(f"{mode:6s} {r['ppl']:8.3f} {r['ppl_rise']:+8.2%} {r['teacher_forced']:15.1%} {r['prefix']:7.1%}")
+        for path in PATHS:
+            p = r[path]
+            prefix = f"{r['prefix']:7.1%}" if path == "decode" else ""
+            print(f"{mode:6s} {path:8s} {p['ppl']:8.3f} {p['ppl_rise']:+8.2%} {p['teacher_forced']:15.1%} {prefix:>7s}")
 
 
 if __name__ == "__main__":
