@@ -50,49 +50,80 @@ inline void prefetch_row(const float* row) {
   for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
 }
 
-// One chunk of a request's context for the G query heads of one KV head, head_dim D = 16 * DV. Writes, per
-// head, the chunk's score maximum m, its sum of exp(score - m) l, and out = sum of exp(score - m) * v
-// (unnormalized), for combine_chunks. Heads run one after the other: the chunk's keys and values stay in
-// L1/L2 after the first.
+// GB query heads (of one KV head) over one chunk of a request's context, head_dim D = 16 * DV: keys, then
+// values, are streamed once for all GB heads (prefetched ahead: a context's blocks need not be adjacent).
+// Writes, per head, the chunk's score maximum m, its sum of exp(score - m) l, and out = sum of
+// exp(score - m) * v (unnormalized), for the combine step. scores: [GB, n] scratch.
+template <int DV, int GB>
+void attend_heads_avx512(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
+                         int64_t n, float scale, float* scores, float* out, float* m_out, float* l_out) {
+  constexpr int64_t D = 16 * DV;
+  __m512 qv[GB][DV];
+  for (int h = 0; h < GB; ++h)
+    for (int i = 0; i < DV; ++i) qv[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * i), _mm512_set1_ps(scale));
+  float mx[GB];
+  for (int h = 0; h < GB; ++h) mx[h] = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kAhead < n) {
+      prefetch_row<D>(k_head + slots[l + kAhead] * D);
+      prefetch_row<D>(v_head + slots[l + kAhead] * D);
+    }
+    const float* k = k_head + slots[l] * D;
+    __m512 kv[DV];
+    for (int i = 0; i < DV; ++i) kv[i] = _mm512_loadu_ps(k + 16 * i);
+    for (int h = 0; h < GB; ++h) {
+      __m512 acc = _mm512_mul_ps(kv[0], qv[h][0]);
+      for (int i = 1; i < DV; ++i) acc = _mm512_fmadd_ps(kv[i], qv[h][i], acc);
+      const float sc = _mm512_reduce_add_ps(acc);
+      scores[h * n + l] = sc;
+      mx[h] = std::max(mx[h], sc);
+    }
+  }
+  for (int h = 0; h < GB; ++h) {
+    float* sh = scores + h * n;
+    const __m512 m = _mm512_set1_ps(mx[h]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < n; l += 16) {
+      const __mmask16 mask = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sh + l), m));
+      _mm512_mask_storeu_ps(sh + l, mask, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    }
+    m_out[h] = mx[h];
+    l_out[h] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[GB][DV];
+  for (int h = 0; h < GB; ++h)
+    for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < n; ++l) {
+    const float* v = v_head + slots[l] * D;
+    __m512 vv[DV];
+    for (int i = 0; i < DV; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
+    for (int h = 0; h < GB; ++h) {
+      const __m512 p = _mm512_set1_ps(scores[h * n + l]);
+      for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_fmadd_ps(p, vv[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + h * D + 16 * i, acc[h][i]);
+}
+
+// All G heads of one KV head over one chunk, in passes of up to 12 accumulator registers' worth of heads.
 template <int DV>
 void attend_chunk_avx512(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
                          int64_t n, int64_t G, float scale, float* scores, float* out, float* m_out,
                          float* l_out) {
-  constexpr int64_t D = 16 * DV;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 qv[DV];
-    for (int i = 0; i < DV; ++i) qv[i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(scale));
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < n; ++l) {
-      const float* k = k_head + slots[l] * D;
-      if (g == 0 && l + kAhead < n) {   // slots need not be adjacent; V is read right after this pass
-        prefetch_row<D>(k_head + slots[l + kAhead] * D);
-        prefetch_row<D>(v_head + slots[l + kAhead] * D);
-      }
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), qv[0]);
-      for (int i = 1; i < DV; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * i), qv[i], acc);
-      const float sc = _mm512_reduce_add_ps(acc);
-      scores[l] = sc;
-      mx = std::max(mx, sc);
+  constexpr int64_t D = 16 * DV, most = DV >= 8 ? 1 : 3;
+  for (int64_t h = 0; h < G;) {
+    const int64_t gb = std::min(most, G - h);
+    const float* qh = q + h * D;
+    float* oh = out + h * D;
+    switch (gb) {
+      case 1: attend_heads_avx512<DV, 1>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
+      case 2: attend_heads_avx512<DV, 2>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
+      default: attend_heads_avx512<DV, most>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
     }
-    const __m512 m = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l += 16) {
-      const __mmask16 mask = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + l), m));
-      _mm512_mask_storeu_ps(scores + l, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-    }
-    __m512 acc[DV];
-    for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; ++l) {
-      const float* v = v_head + slots[l] * D;
-      const __m512 p = _mm512_set1_ps(scores[l]);
-      for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), acc[i]);
-    }
-    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + g * D + 16 * i, acc[i]);
-    m_out[g] = mx;
-    l_out[g] = _mm512_reduce_add_ps(sum);
+    h += gb;
   }
 }
 
@@ -161,7 +192,7 @@ void chunked_decode_attention(const float* qp, const float* kp, const float* vp,
   const int64_t C = R * KV >= 2 * threads ? 1 : 2 * threads;
   std::vector<float> part_out(C == 1 ? 0 : R * KV * C * G * D), part_m(R * KV * C * G), part_l(R * KV * C * G);
   at::parallel_for(0, R * KV * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(L);
+    std::vector<float> scores(3 * L);                       // up to 3 heads per pass
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t pair = idx / C, c = idx % C, r = pair / KV, h = pair % KV;
       const int64_t n = lp[r], first = n * c / C, last = n * (c + 1) / C;
