@@ -139,6 +139,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "cpu"
     quantization: str | None = None          # None (checkpoint dtype), "int8", "int4", "w8a8"
+    native_decode_layers: bool = True        # small decode steps: one native call per layer (decode_layer.cpp)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class EngineArgs:
     attention_backend: str = "cpu"           # "cpu" (fast) or "reference"
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
     quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
+    native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +179,8 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                        help="weight quantization of every linear layer (default: none, fp32)")
+        g.add_argument("--no-native-decode-layers", dest="native_decode_layers", action="store_false",
+                       help="run small decode steps op by op in Python instead of one native call per layer")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

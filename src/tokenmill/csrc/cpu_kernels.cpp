@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_kernels.h"
+#include "decode_layer.h"
 #include "gemv_kernels.h"
 
 #include <cmath>
@@ -405,6 +407,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU, float32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init([](torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor decode_slots,
+                       torch::Tensor decode_lens) {
+             return DecodeStep{cos, sin, slot_mapping, decode_slots, decode_lens};
+           }),
+           py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("decode_slots"), py::arg("decode_lens"));
+  py::class_<DecodeLinear>(m, "DecodeLinear")
+      .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t,
+                    int64_t>(),
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+           py::arg("threads"));
+  py::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, double, DecodeLinear, DecodeLinear, DecodeLinear, DecodeLinear,
+                    int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>())
+      .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)");
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",
           py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("N"));

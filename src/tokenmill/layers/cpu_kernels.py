@@ -1,6 +1,7 @@
 """Native CPU kernels, built on first use with torch.utils.cpp_extension and cached on disk:
 csrc/cpu_kernels.cpp (paged decode attention, KV cache write, rotary, SwiGLU, RMSNorm) and
-csrc/gemv_kernels.cpp (small-batch linear layers: float32, int8 and Q4_1-layout int4 weights).
+csrc/gemv_kernels.cpp (small-batch int8 / int4 linear layers) and csrc/decode_layer.cpp (a decoder layer for
+small decode steps, chaining those kernels in one call).
 
 `load()` returns the compiled module, or None when no compiler is available: callers then use the
 pure-torch path, which computes the same attention (to float rounding). The build happens once per
@@ -15,8 +16,8 @@ import os
 
 logger = logging.getLogger("tokenmill")
 CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp")]
-HEADERS = [os.path.join(CSRC, "gemv_kernels.h")]
+SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp", "decode_layer.cpp")]
+HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h")]
 
 
 def _cpu_tag() -> str:

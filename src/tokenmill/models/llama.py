@@ -87,12 +87,56 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.native_layers: list | None = None    # csrc/decode_layer.cpp DecodeLayers, see bind_native_decode
+        self.native_max_rows = 0
+        self.native_steps = 0                     # steps that ran the native layers (observability, tests)
+
+    def bind_native_decode(self) -> bool:
+        """After quantization and KV cache binding: build one native DecodeLayer per layer, which runs decode
+        steps of up to `native_max_rows` rows (the small-batch kernels' limit; 1 with float32 weights, whose
+        several-row path is oneDNN in Python) with the same kernels as the per-op path, minus the Python
+        between them. False (per-op path only) without the native kernels or for layers it cannot take."""
+        from tokenmill.quant import small_batch
+        native = cpu_kernels.load()
+        if native is None or not hasattr(native, "DecodeLayer"):
+            return False
+        threads, built, has_f32 = torch.get_num_threads(), [], False
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.k_cache is None or attn.k_cache.dtype != torch.float32 or attn.backend is None \
+                    or attn.backend.name != "cpu":
+                return False
+            linears = [m.native_decode_linear(native, threads)
+                       for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears):
+                return False
+            has_f32 |= attn.qkv_proj.quant_method.name == "fp32"
+            built.append(native.DecodeLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                                            layer.input_layernorm.eps, *linears, attn.num_heads, attn.num_kv_heads,
+                                            attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
+        self.native_layers, self.native_max_rows = built, 1 if has_f32 else small_batch.MAX_ROWS
+        return True
+
+    def _native_step(self, rope, meta):
+        """The native DecodeStep when this step can run the native layers: every row one request's single
+        new token, at most native_max_rows of them; else None."""
+        rows = meta.slot_mapping.numel()
+        if self.native_layers is None or meta.decode_rows is None or rows > self.native_max_rows \
+                or len(meta.seqs) != rows or meta.decode_rows.numel() != rows:
+            return None
+        return cpu_kernels.load().DecodeStep(rope[0], rope[1], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.gather(positions)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        step = self._native_step(rope, meta)
+        if step is not None:
+            self.native_steps += 1
+            for native_layer in self.native_layers:
+                x, residual = native_layer.forward(x, residual, step)
+        else:
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -115,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def bind_native_decode(self) -> bool:
+        return self.model.bind_native_decode()
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""

@@ -25,6 +25,8 @@ class ModelRunner:
         self.model = self._build_model(config, weights)
         self.backend = get_backend(config.attention_backend)
         self.kv_caches = self._allocate_kv_cache(config.model, config.cache.num_blocks)
+        if config.native_decode_layers and hasattr(self.model, "bind_native_decode"):
+            self.model.bind_native_decode()            # decode steps of a few rows in one native call per layer
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
 

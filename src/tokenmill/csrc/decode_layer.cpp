@@ -1,0 +1,82 @@
+// One Llama-family decoder layer for decode steps of a few rows, as one native call: the same kernels the
+// per-op Python path runs (RMSNorm, linear layers, rotary, KV cache write, paged decode attention, SwiGLU),
+// in the same order, without the Python between them (about 40 us per layer at batch 1, a sixth of an
+// int4 decode step). Built once per layer after loading; see models/llama.py for when it runs.
+//
+// Linear layers, by the tensors given (DecodeLinear):
+//   float32 weight [N, K]     one row: `bmm` over `threads` row blocks (quant/unquantized.py's
+//                             gemv_split_rows); more rows: x w^T
+//   q4 tiles                  gemv_q4 (gemv_kernels.cpp)
+//   q8 tiles + scales         gemv_q8
+// plus an optional bias [N].
+#include "decode_layer.h"
+
+#include "cpu_kernels.h"
+#include "gemv_kernels.h"
+
+DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                           c10::optional<torch::Tensor> bias, int64_t out_features, int64_t threads)
+    : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features) {
+  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8", "DecodeLinear: unknown kind ", kind_);
+#ifndef TOKENMILL_GEMV_KERNELS
+  TORCH_CHECK(kind_ == "f32", "DecodeLinear: ", kind_, " needs the AVX-512 VNNI small-batch kernels");
+#endif
+  TORCH_CHECK(kind_ != "q8" || scales_.has_value(), "DecodeLinear: q8 needs its scales");
+  if (kind_ == "f32") {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n_ && weight.is_contiguous(),
+                "DecodeLinear: float32 weight must be contiguous [", n_, ", K]");
+    blocks_ = (threads >= 2 && n_ % threads == 0) ? threads : 1;
+    split_ = weight.view({blocks_, n_ / blocks_, weight.size(1)});
+  }
+}
+
+torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
+  torch::Tensor y;
+  if (kind_ == "f32") {
+    if (x.size(0) == 1 && blocks_ > 1) {
+      y = at::bmm(split_, x.t().expand({blocks_, x.size(1), 1})).view({1, n_});
+    } else {
+      y = at::linear(x, weight_);
+    }
+  }
+#ifdef TOKENMILL_GEMV_KERNELS
+  else if (kind_ == "q4") {
+    y = gemv_q4(x, weight_, n_);
+  } else {
+    y = gemv_q8(x, weight_, *scales_, n_);
+  }
+#endif
+  if (bias_.has_value()) y.add_(*bias_);
+  return y;
+}
+
+DecodeLayer::DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
+                         DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache,
+                         torch::Tensor v_cache)
+    : input_norm_(input_norm), post_norm_(post_norm), eps_(eps), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)),
+      gate_up_(std::move(gate_up)), down_(std::move(down)), heads_(num_heads), kv_heads_(num_kv_heads),
+      head_dim_(head_dim), scale_(scale), k_cache_(k_cache), v_cache_(v_cache) {}
+
+std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                              const DecodeStep& step) const {
+  torch::Tensor h;
+  if (residual.has_value()) {
+    h = rms_norm(x, residual, input_norm_, eps_);          // residual += x, in place
+  } else {
+    h = rms_norm(x, c10::nullopt, input_norm_, eps_);
+    residual = x;
+  }
+  const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+  const torch::Tensor qkv = qkv_(h);                        // [T, q_size + 2 kv_size]
+  torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+  torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
+  torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
+  rotary_inplace(q, step.cos, step.sin);
+  rotary_inplace(k, step.cos, step.sin);
+  write_kv_cache(k, v, k_cache_, v_cache_, step.slot_mapping);
+  const torch::Tensor attn = paged_decode_attention(q.contiguous(), k_cache_, v_cache_, step.decode_slots,
+                                                    step.decode_lens, scale_).view({T, q_size});
+  const torch::Tensor h2 = rms_norm(o_proj_(attn), residual, post_norm_, eps_);
+  return {down_(silu_and_mul(gate_up_(h2))), *residual};
+}

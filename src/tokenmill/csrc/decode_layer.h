@@ -1,0 +1,47 @@
+// Native decoder layer for small decode steps (decode_layer.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+
+// What one decode step gives every layer: the rows' rotary tables, new-token cache slots, and each
+// request's context slots and length (all decodes: one new token per request).
+struct DecodeStep {
+  torch::Tensor cos, sin;          // [T, head_dim / 2]
+  torch::Tensor slot_mapping;      // [T] int64
+  torch::Tensor decode_slots;      // [T, max_context] int64
+  torch::Tensor decode_lens;       // [T] int64
+};
+
+class DecodeLinear {
+ public:
+  DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+               c10::optional<torch::Tensor> bias, int64_t out_features, int64_t threads);
+  torch::Tensor operator()(const torch::Tensor& x) const;   // x [T, K] float32 -> [T, N]
+
+ private:
+  std::string kind_;               // "f32" | "q4" | "q8"
+  torch::Tensor weight_, split_;   // split_: f32 weight as [blocks, N / blocks, K]
+  c10::optional<torch::Tensor> scales_, bias_;
+  int64_t n_, blocks_ = 1;
+};
+
+class DecodeLayer {
+ public:
+  DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
+              DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache, torch::Tensor v_cache);
+  // x [T, hidden]; residual [T, hidden] or None (first layer) -> (mlp output, residual), as
+  // LlamaDecoderLayer.forward. The residual is updated in place.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                   const DecodeStep& step) const;
+
+ private:
+  torch::Tensor input_norm_, post_norm_;
+  double eps_;
+  DecodeLinear qkv_, o_proj_, gate_up_, down_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_;
+  torch::Tensor k_cache_, v_cache_;
+};
