@@ -76,7 +76,6 @@ def quantize_groupwise_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
     return q.reshape(n, k), scale, lo + 8.0 * scale
 
 
-
 def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """q [N, K] 0..15, d, m [N, K/32] (w = d * q + m) -> [ceil(N/16), K/32, 320] uint8 tiles of the native
     small-batch kernel (layout in csrc/gemv_kernels.cpp): per 16 rows x 32 inputs, 256 bytes of nibbles
