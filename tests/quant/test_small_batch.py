@@ -11,6 +11,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.quant import get_quant_method, small_batch
 from tokenmill.quant.int4 import pack_q4_tiles, quantize_groupwise_int4
 from tokenmill.quant.int8 import pack_q8_tiles, quantize_per_channel_int8
+from tokenmill.quant.unquantized import pack_f32_tiles
 
 native = small_batch.kernels()
 pytestmark = pytest.mark.skipif(native is None, reason="small-batch kernels need AVX-512 VNNI and a compiler")
@@ -44,6 +45,28 @@ def test_q4_kernel_matches_float64_reference(n, k, m):
     ref = quantized_activations(x) @ w_dq.T
     y = native.gemv_q4(x, pack_q4_tiles(q, d, mn), n)
     assert y.shape == (m, n) and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("n,k", SHAPES + [(50, 75)])           # float32 takes any K
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_f32_kernel_matches_float64_reference(n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    y = native.gemv_f32(x, pack_f32_tiles(w), n)
+    assert y.shape == (m, n) and rel_err(y, x.double() @ w.double().T) < 1e-6
+
+
+def test_f32_linear_keeps_only_its_packed_copies_and_matches_f_linear():
+    g = torch.Generator().manual_seed(8)
+    layer = Linear(96, 40, bias=True)
+    layer.weight.data.copy_(torch.randn(40, 96, generator=g))
+    layer.bias.data.copy_(torch.randn(40, generator=g))
+    w, b = layer.weight.data.clone(), layer.bias.data.clone()
+    layer.set_quant_method(get_quant_method("fp32"))
+    assert layer.weight is None and layer.small_batch_fn is not None    # oneDNN copy + tiles remain
+    for rows in (1, small_batch.MAX_ROWS, small_batch.MAX_ROWS + 1):   # tiles up to MAX_ROWS, then oneDNN
+        x = torch.randn(rows, 96, generator=g)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

@@ -414,15 +414,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("decode_slots"), py::arg("decode_lens"));
   py::class_<DecodeLinear>(m, "DecodeLinear")
-      .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t,
+      .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     int64_t>(),
-           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
-           py::arg("threads"));
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"));
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, DecodeLinear, DecodeLinear, DecodeLinear, DecodeLinear,
                     int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>())
       .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)");
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
+    m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));
     m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",
           py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("N"));
     m.def("gemv_q4", &gemv_q4, "x @ (d * q4 + m)^T, q4 tiles of 16 rows x 32 inputs (CPU)", py::arg("x"),

@@ -3,44 +3,30 @@
 // in the same order, without the Python between them (about 40 us per layer at batch 1, a sixth of an
 // int4 decode step). Built once per layer after loading; see models/llama.py for when it runs.
 //
-// Linear layers, by the tensors given (DecodeLinear):
-//   float32 weight [N, K]     one row: `bmm` over `threads` row blocks (quant/unquantized.py's
-//                             gemv_split_rows); more rows: x w^T
-//   q4 tiles                  gemv_q4 (gemv_kernels.cpp)
-//   q8 tiles + scales         gemv_q8
-// plus an optional bias [N].
+// Linear layers (DecodeLinear), the small-batch kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32),
+// "q4" tiles (gemv_q4), "q8" tiles + scales (gemv_q8), plus an optional bias [N]. Needs those kernels
+// (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
 
 #include "cpu_kernels.h"
 #include "gemv_kernels.h"
 
 DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                           c10::optional<torch::Tensor> bias, int64_t out_features, int64_t threads)
+                           c10::optional<torch::Tensor> bias, int64_t out_features)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features) {
   TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8", "DecodeLinear: unknown kind ", kind_);
-#ifndef TOKENMILL_GEMV_KERNELS
-  TORCH_CHECK(kind_ == "f32", "DecodeLinear: ", kind_, " needs the AVX-512 VNNI small-batch kernels");
-#endif
   TORCH_CHECK(kind_ != "q8" || scales_.has_value(), "DecodeLinear: q8 needs its scales");
-  if (kind_ == "f32") {
-    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n_ && weight.is_contiguous(),
-                "DecodeLinear: float32 weight must be contiguous [", n_, ", K]");
-    blocks_ = (threads >= 2 && n_ % threads == 0) ? threads : 1;
-    split_ = weight.view({blocks_, n_ / blocks_, weight.size(1)});
-  }
+#ifndef TOKENMILL_GEMV_KERNELS
+  TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI small-batch kernels");
+#endif
 }
 
 torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
   torch::Tensor y;
-  if (kind_ == "f32") {
-    if (x.size(0) == 1 && blocks_ > 1) {
-      y = at::bmm(split_, x.t().expand({blocks_, x.size(1), 1})).view({1, n_});
-    } else {
-      y = at::linear(x, weight_);
-    }
-  }
 #ifdef TOKENMILL_GEMV_KERNELS
-  else if (kind_ == "q4") {
+  if (kind_ == "f32") {
+    y = gemv_f32(x, weight_, n_);
+  } else if (kind_ == "q4") {
     y = gemv_q4(x, weight_, n_);
   } else {
     y = gemv_q8(x, weight_, *scales_, n_);

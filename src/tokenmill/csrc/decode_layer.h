@@ -17,14 +17,14 @@ struct DecodeStep {
 class DecodeLinear {
  public:
   DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-               c10::optional<torch::Tensor> bias, int64_t out_features, int64_t threads);
+               c10::optional<torch::Tensor> bias, int64_t out_features);
   torch::Tensor operator()(const torch::Tensor& x) const;   // x [T, K] float32 -> [T, N]
 
  private:
-  std::string kind_;               // "f32" | "q4" | "q8"
-  torch::Tensor weight_, split_;   // split_: f32 weight as [blocks, N / blocks, K]
+  std::string kind_;               // "f32" | "q4" | "q8": which tiles weight_ holds
+  torch::Tensor weight_;
   c10::optional<torch::Tensor> scales_, bias_;
-  int64_t n_, blocks_ = 1;
+  int64_t n_;
 };
 
 class DecodeLayer {

@@ -2,19 +2,21 @@
 // where a step is bound by reading every weight once. The weights are split evenly over the threads and
 // streamed once; the activations (a few KB) stay in L1.
 //
+//   gemv_f32(x [M, K] f32, w [N/16, K, 16] f32, N)                            exact float32 weights
 //   gemv_q8(x [M, K] f32, q [N/16, K/32, 512] int8, scale [N/16*16] f32, N)   w[n, k] = q[n, k] * scale[n]
 //   gemv_q4(x [M, K] f32, q [N/16, K/32, 320] uint8, N)                       w[n, k] = d[n, g] q4[n, k] + m[n, g]
 // (N/16 rounded up.)
-// Both return y [M, N] float32; x rows may be strided (last dim contiguous), the weights are contiguous.
+// All return y [M, N] float32; x rows may be strided (last dim contiguous), the weights are contiguous.
+// f32 tiles hold 16 rows' weights of one input side by side (one FMA per 16 weights, no horizontal sums).
 //
-// Integer dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds of unsigned by signed bytes per
+// q8/q4: integer dot products (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds of unsigned by signed bytes per
 // instruction): each group of 32 activations is quantized to int8 with its own scale, x[k] ~= s[g] xi[k],
 // s[g] = max |x| over the group / 127 (llama.cpp's Q8_0 recipe). q4's offsets m multiply the same quantized
 // activations (s[g] * sum xi), so the result is exactly w . x_quantized: with the exact sum of x instead,
 // the rounding error would meet d * q (q = 0..15, offset by about 8 d that m cancels) rather than the
 // weight itself, and the error of a centered weight would double (measured: perplexity +3% vs +0.3%).
 //
-// Both lay 16 output rows side by side, so each VNNI lane accumulates one row and no horizontal sums are
+// Both lay 16 output rows side by side too, so each VNNI lane accumulates one row and no horizontal sums are
 // needed; tiles of 16 rows x 32 inputs (one group) follow in (row block, group) order, rows past N zero.
 // q8 tile = 512 bytes: byte 64c + 4i + j holds row i's input 4c + j (c = 0..7, j = 0..3).
 // q4 tile = 320 bytes:
@@ -160,6 +162,31 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, acc[m]);
 }
 
+// f32: y[m0 + m, 16 rb .. 16 rb + 16) from tiles [K, 16] (input k of the block's 16 rows side by side).
+template <int MB>
+void f32_row_block(const float* x, int64_t ldx, int64_t m0, const float* tiles, int64_t K, float* y,
+                   int64_t ldy, int64_t rb, int64_t N) {
+  const float* w = tiles + rb * K * 16;
+  __m512 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 32) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 33) * 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(w + k * 16), w1 = _mm512_loadu_ps(w + (k + 1) * 16);
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = x + (m0 + m) * ldx;
+      acc[m][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xm[k]), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xm[k + 1]), acc[m][1]);
+    }
+  }
+  for (; k < K; ++k)
+    for (int m = 0; m < MB; ++m)
+      acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k * 16), _mm512_set1_ps(x[(m0 + m) * ldx + k]), acc[m][0]);
+  const __mmask16 mask = tail_mask(N - 16 * rb);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
 // Calls block(rows, m0, rb) for every tile of up to kTileRows activation rows starting at m0 and every
 // row block rb in [b0, b1); rows is std::integral_constant<int, 1..4>, selecting the instantiation.
 template <class F>
@@ -176,6 +203,25 @@ void for_tiles(int64_t M, int64_t b0, int64_t b1, const F& block) {
 }
 
 }  // namespace
+
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 &&
+                  w.size(0) == (N + 15) / 16, "gemv_f32: weight must be contiguous float32 [", (N + 15) / 16,
+              ", K, 16] tiles, got ", w.sizes());
+  const int64_t K = w.size(1), M = x.size(0), blocks = w.size(0);
+  check_x(x, K, "gemv_f32");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  parallel_over_rows(blocks, w.numel() * 4, [&](int64_t b0, int64_t b1) {
+    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+      f32_row_block<decltype(rows)::value>(xp, ldx, m0, wp, K, yp + m0 * N, N, rb, N);
+    });
+  });
+  return y;
+}
 
 torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 3 && q.is_contiguous() && q.size(2) == 512 &&

@@ -5,6 +5,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define TOKENMILL_GEMV_KERNELS 1
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N);
 torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N);
 torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N);
 #endif

@@ -44,19 +44,19 @@ class Linear(nn.Module):
         """Rows of the weight that checkpoint shard `shard_id` fills; the whole weight by default."""
         return slice(0, self.out_features)
 
-    def native_decode_linear(self, native, threads: int):
+    def native_decode_linear(self, native):
         """This layer as csrc/decode_layer.cpp's DecodeLinear (the same kernel its small steps run), or None
         where no native equivalent exists (e.g. w8a8, or float32-compute reference modes)."""
         if self.small_batch_fn is not None and getattr(self, "q4_tiles", None) is not None:
             kind, weight, scales = "q4", self.q4_tiles, None
         elif self.small_batch_fn is not None and getattr(self, "q8_tiles", None) is not None:
             kind, weight, scales = "q8", self.q8_tiles, self.q8_tile_scales
-        elif self.quant_method is _UNQUANTIZED and self.weight is not None and self.weight.dtype == torch.float32:
-            kind, weight, scales = "f32", self.weight.data, None
+        elif self.small_batch_fn is not None and getattr(self, "f32_tiles", None) is not None:
+            kind, weight, scales = "f32", self.f32_tiles, None
         else:
             return None
         bias = None if self.bias is None else self.bias.data
-        return native.DecodeLinear(kind, weight, scales, bias, self.out_features, threads)
+        return native.DecodeLinear(kind, weight, scales, bias, self.out_features)
 
 
 class MergedLinear(Linear):

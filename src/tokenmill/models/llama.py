@@ -93,28 +93,27 @@ class LlamaModel(nn.Module):
 
     def bind_native_decode(self) -> bool:
         """After quantization and KV cache binding: build one native DecodeLayer per layer, which runs decode
-        steps of up to `native_max_rows` rows (the small-batch kernels' limit; 1 with float32 weights, whose
-        several-row path is oneDNN in Python) with the same kernels as the per-op path, minus the Python
-        between them. False (per-op path only) without the native kernels or for layers it cannot take."""
+        steps of up to `native_max_rows` rows (the small-batch kernels' limit) with the same kernels as the
+        per-op path, minus the Python between them. False (per-op path only) without the small-batch
+        kernels or for layers they cannot take (e.g. w8a8)."""
         from tokenmill.quant import small_batch
-        native = cpu_kernels.load()
-        if native is None or not hasattr(native, "DecodeLayer"):
+        native = small_batch.kernels()
+        if native is None:
             return False
-        threads, built, has_f32 = torch.get_num_threads(), [], False
+        built = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.k_cache is None or attn.k_cache.dtype != torch.float32 or attn.backend is None \
                     or attn.backend.name != "cpu":
                 return False
-            linears = [m.native_decode_linear(native, threads)
-                       for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            linears = [m.native_decode_linear(native) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                 mlp.down_proj)]
             if any(lin is None for lin in linears):
                 return False
-            has_f32 |= attn.qkv_proj.quant_method.name == "fp32"
             built.append(native.DecodeLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                             layer.input_layernorm.eps, *linears, attn.num_heads, attn.num_kv_heads,
                                             attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
-        self.native_layers, self.native_max_rows = built, 1 if has_f32 else small_batch.MAX_ROWS
+        self.native_layers, self.native_max_rows = built, small_batch.MAX_ROWS
         return True
 
     def _native_step(self, rope, meta):

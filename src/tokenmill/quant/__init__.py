@@ -45,11 +45,11 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     (`quantize_tied_lm_head`, overridable here); otherwise it stays float32. Embeddings are never quantized.
     """
     from tokenmill.layers.linear import Linear
-    if method is None:   # float32: reorder weights for oneDNN now, not during the first request
-        from tokenmill.quant.unquantized import onednn_weight
+    if method is None:   # float32: the oneDNN copy and the small-batch tiles, made once now
+        fp32 = get_quant_method("fp32")
         for layer in model.modules():
             if isinstance(layer, Linear):
-                onednn_weight(layer)
+                layer.set_quant_method(fp32)
         return
     method = get_quant_method(method) if isinstance(method, str) else method
     tied = quantize_tied_lm_head if quantize_tied_lm_head is not None else method.quantize_tied_lm_head

@@ -4,16 +4,20 @@
   blocked layout (`mkldnn._reorder_linear_weight`, the path torch.compile's CPU freezing uses). Measured on
   the project's CPU it runs at 100-112 GFLOP/s per core where F.linear gives 40-95 (60 for the 49152-wide
   lm_head), see benchmarks/profile_step.py;
-- a single row (batch-1 decode): the weight's rows split into one batched GEMV per thread. For x [1, K]
-  F.linear runs one single-threaded GEMV streaming the weight at about 12 GB/s; `bmm` over `num_threads`
-  row blocks runs them in parallel at about 35-40 GB/s (benchmarks/decode_latency.py measures it).
-Same math in float32 throughout (only the summation order differs from F.linear).
+- up to 16 rows (decode at small batches), where the step streams the weight once: the native small-batch
+  kernel (csrc/gemv_kernels.cpp gemv_f32) over a copy of the weight in tiles of 16 rows side by side (one
+  FMA per 16 weights, no horizontal sums): measured 48 GB/s where `bmm` over per-thread row blocks reads
+  at 39 GB/s and a single-threaded F.linear GEMV at about 12. Without the native kernels a single row
+  takes the `bmm` split (gemv_split_rows).
+Same math in float32 throughout (only the summation order differs from F.linear). With both the oneDNN copy
+and the tiles made, the layer's own float32 weight is dropped (a tied embedding keeps its tensor).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.quant import small_batch
 from tokenmill.quant.base import QuantMethod
 
 _HAS_ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
@@ -22,13 +26,38 @@ _HAS_ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.
 class UnquantizedMethod(QuantMethod):
     name = "fp32"
 
+    def process_weights_after_loading(self, layer) -> None:
+        if layer.weight is None or layer.weight.dtype != torch.float32 or layer.weight.is_cuda:
+            return
+        packed = onednn_weight(layer)                      # made now, not during the first request
+        if small_batch.kernels() is not None:
+            layer.register_buffer("f32_tiles", pack_f32_tiles(layer.weight.data), persistent=False)
+            if packed is not None:
+                self.drop_float_weight(layer)
+
+    def small_batch_kernel(self, layer):
+        tiles = getattr(layer, "f32_tiles", None)
+        if tiles is None:
+            return None
+        gemv_f32, n = small_batch.kernels().gemv_f32, layer.out_features
+        return small_batch.with_bias(lambda x: gemv_f32(x, tiles, n), layer.bias)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and layer.weight is not None:
             return self.add_bias(layer, gemv_split_rows(layer.weight, x))
         packed = onednn_weight(layer) if x.dtype == torch.float32 and not x.is_cuda else None
         if packed is None:
             return F.linear(x, layer.weight, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+
+
+def pack_f32_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [ceil(N/16), K, 16] float32: each input's weights for 16 rows side by side, rows past N
+    zero (csrc/gemv_kernels.cpp gemv_f32)."""
+    n, k = w.shape
+    blocks = (n + 15) // 16
+    w = F.pad(w.float(), (0, 0, 0, blocks * 16 - n))
+    return w.view(blocks, 16, k).transpose(1, 2).contiguous()
 
 
 def onednn_weight(layer) -> torch.Tensor | None:
