@@ -7,11 +7,18 @@ the bytes a decode step must read (every linear weight as packed, plus the mean 
 bound those bytes give at the read bandwidth measured right before that mode's runs (the best of a sum
 and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved. --profile MODE prints where one run's time goes.
 
+With --llama-cpp PYTHON (the interpreter benchmarks/peers/llama_cpp_setup.sh prints), llama.cpp decodes
+the same prompt from the same GGUF file in the same run (benchmarks/peers/llama_cpp_decode.py) and each
+mode's speed is also given as a ratio to it.
+
     .venv/bin/python benchmarks/decode_latency.py [--runs 3] [--modes fp32,int8,int4,w8a8] [--profile int4]
+        [--llama-cpp "$(benchmarks/peers/llama_cpp_setup.sh)"]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import random
 import statistics
@@ -44,7 +51,7 @@ def linear_bytes(model) -> int:
     """Bytes of the linear weights one decode step at batch 1 reads, as the path that runs it stores them:
     the small-batch kernel's tiles where a layer has them, else the method's packed weight."""
     from tokenmill.layers.linear import Linear
-    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("weight",), ("w8a8_weight_t", "w8a8_weight_scale"),
+    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",), ("w8a8_weight_t", "w8a8_weight_scale"),
              ("int4_packed", "scales_and_zeros"), ("qweight", "scales")]
     total = 0
     for m in model.modules():
@@ -81,6 +88,17 @@ def profile_run(llm, prompt: list[int], output_len: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=44))
 
 
+def llama_cpp_rates(python: str, runs: int, prompt_len: int, output_len: int) -> list[float]:
+    """Decode tok/s of llama.cpp per run on the default model's GGUF, in its own interpreter."""
+    import subprocess
+    from tokenmill.loaders.default_model import default_model_path
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "llama_cpp_decode.py")
+    out = subprocess.run([python, script, default_model_path(), "--runs", str(runs), "--prompt-len",
+                          str(prompt_len), "--output-len", str(output_len), "--threads",
+                          str(torch.get_num_threads())], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["decode_tok_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -91,6 +109,8 @@ def main() -> None:
     ap.add_argument("--tied-head", choices=["method", "fp32"], default="method",
                     help="tied lm_head: as the method decides (quantized copy) or kept float32")
     ap.add_argument("--profile", default=None, help="mode to profile after timing")
+    ap.add_argument("--llama-cpp", default=None, metavar="PYTHON",
+                    help="interpreter with llama-cpp-python: measure llama.cpp in the same run")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,8 +124,14 @@ def main() -> None:
           f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); "
           f"batch 1, {args.prompt_len} prompt -> {args.output_len} output tokens; read bandwidth measured "
           "before each mode")
+    peer = None
+    if args.llama_cpp:
+        rates = llama_cpp_rates(args.llama_cpp, args.runs, args.prompt_len, args.output_len)
+        peer = statistics.median(rates)
+        print(f"llama.cpp (same GGUF, Q4_1, {torch.get_num_threads()} threads): {peer:.1f} decode tok/s "
+              f"(runs: {' '.join(f'{r:.1f}' for r in rates)})")
     print(f"{'mode':6s} {'decode tok/s':>12s} {'runs':>24s} {'GB/s':>6s} {'MB/step':>8s} {'bound tok/s':>11s} "
-          f"{'of bound':>8s}")
+          f"{'of bound':>8s}" + (f" {'/llama.cpp':>10s}" if peer else ""))
     for mode in args.modes.split(","):
         llm = LLM(quantization=None if mode == "fp32" else mode, kv_cache_memory_bytes=1 << 27)
         cfg = llm.engine.config.model
@@ -116,7 +142,8 @@ def main() -> None:
         rates = [decode_tok_s(llm, prompt, args.output_len) for _ in range(args.runs)]
         med, bound = statistics.median(rates), bandwidth * 1e9 / step_bytes
         print(f"{mode:6s} {med:12.1f} {' '.join(f'{r:.1f}' for r in rates):>24s} {bandwidth:6.1f} "
-              f"{step_bytes / 1e6:8.1f} {bound:11.1f} {med / bound:8.0%}", flush=True)
+              f"{step_bytes / 1e6:8.1f} {bound:11.1f} {med / bound:8.0%}" + (f" {med / peer:9.2f}x" if peer else ""),
+              flush=True)
         if mode == args.profile:
             profile_run(llm, prompt, args.output_len)
         del llm
