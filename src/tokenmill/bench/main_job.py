@@ -20,12 +20,15 @@ from tokenmill.bench.workflows import peak_sections, ratio_section
 @dataclass(frozen=True)
 class MainJobConfig:
     profile: str = "llama3.1-8b"
-    num_samples: int = 16              # synthetic samples (Offline issues all of them at t = 0)
+    num_samples: int = 48              # synthetic samples (Offline issues all of them at t = 0)
     prompt_len: str = "64"             # tokens
     output_len: str = "64"             # tokens, exact (ignore_eos)
     min_duration_s: float = 10.0       # s per Server run (MLPerf: 600 s)
     min_query_count: int = 12          # per Server run (dev setting)
-    max_query_count: int = 24          # cap per Server run, keeps the job to minutes
+    # cap per Server run, keeps the job to minutes. At least num_samples: a run whose queries all arrive at
+    # once must queue as many as Offline does, or an overloaded server passes the TTFT limit (it did at 24
+    # queries: every QPS up to 130 "met the limits" and Server/Offline read 113%)
+    max_query_count: int = 48
     start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
     precision: float = 0.2             # relative QPS precision of the peak search
     max_runs: int = 8                  # Server runs in the peak search, confirmation included
