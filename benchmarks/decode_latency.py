@@ -5,7 +5,8 @@ fp32 / int8 / int4 / w8a8 (`LLM(quantization=...)`). Decode tok/s = (output toke
 last token - time of the first), so prefill is excluded; median of --runs. For each mode it also prints
 the bytes a decode step must read (every linear weight as packed, plus the mean KV cache read) and the
 bound those bytes give at the read bandwidth measured right before that mode's runs (the best of a sum
-and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved. --profile MODE prints where one run's time goes.
+and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved.
+--profile MODE prints where one run's time goes.
 
 With --llama-cpp PYTHON (the interpreter benchmarks/peers/llama_cpp_setup.sh prints), llama.cpp decodes
 the same prompt from the same GGUF file in the same run (benchmarks/peers/llama_cpp_decode.py) and each
@@ -51,7 +52,8 @@ def linear_bytes(model) -> int:
     """Bytes of the linear weights one decode step at batch 1 reads, as the path that runs it stores them:
     the small-batch kernel's tiles where a layer has them, else the method's packed weight."""
     from tokenmill.layers.linear import Linear
-    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",), ("w8a8_weight_t", "w8a8_weight_scale"),
+    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",),
+             ("w8a8_weight_t", "w8a8_weight_scale"),
              ("int4_packed", "scales_and_zeros"), ("qweight", "scales")]
     total = 0
     for m in model.modules():

@@ -120,10 +120,11 @@ void attend_chunk_avx512(const float* q, const float* k_head, const float* v_hea
     const int64_t gb = std::min(most, G - h);
     const float* qh = q + h * D;
     float* oh = out + h * D;
+    float *mh = m_out + h, *lh = l_out + h;
     switch (gb) {
-      case 1: attend_heads_avx512<DV, 1>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
-      case 2: attend_heads_avx512<DV, 2>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
-      default: attend_heads_avx512<DV, most>(qh, k_head, v_head, slots, n, scale, scores, oh, m_out + h, l_out + h); break;
+      case 1: attend_heads_avx512<DV, 1>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
+      case 2: attend_heads_avx512<DV, 2>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
+      default: attend_heads_avx512<DV, most>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
     }
     h += gb;
   }

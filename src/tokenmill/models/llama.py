@@ -110,9 +110,9 @@ class LlamaModel(nn.Module):
                                                                  mlp.down_proj)]
             if any(lin is None for lin in linears):
                 return False
-            built.append(native.DecodeLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                            layer.input_layernorm.eps, *linears, attn.num_heads, attn.num_kv_heads,
-                                            attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
+            norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+            built.append(native.DecodeLayer(*norms, layer.input_layernorm.eps, *linears, attn.num_heads,
+                                            attn.num_kv_heads, attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
         self.native_layers, self.native_max_rows = built, small_batch.MAX_ROWS
         return True
 
