@@ -50,7 +50,7 @@ def measure_read_bandwidth_gbs(num_bytes: int = 1 << 29, runs: int = 7) -> float
 
 def linear_bytes(model) -> int:
     """Bytes of the linear weights one decode step at batch 1 reads, as the path that runs it stores them:
-    the small-batch kernel's tiles where a layer has them, else the method's packed weight."""
+    the tile kernel's tiles where a layer has them, else the method's packed weight."""
     from tokenmill.layers.linear import Linear
     names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",),
              ("w8a8_weight_t", "w8a8_weight_scale"),

@@ -2,10 +2,10 @@
 
 Perplexity: of tests/quant/data/ppl_text.txt (about 700 tokens), exp(mean next-token NLL), through the
 engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence, cache slots 0..T-1,
-so the LLMs here run with prefix caching off) in two ways, since quantized layers have two kernel paths:
-  prefill: one forward pass of the whole text (steps of many rows: PyTorch's int8/int4 kernels);
-  decode:  the text in chunks of quant.small_batch.MAX_ROWS tokens over the KV cache (the small-batch
-           kernels that decode at batch 1-16 runs, with int8 activations).
+so the LLMs here run with prefix caching off) in two ways, as steps of many rows and of few rows run them
+(different attention code, and for fp32 different GEMMs; int8/int4 run the tile kernels on both):
+  prefill: one forward pass of the whole text;
+  decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs.
 Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's continuations as reference:
   teacher-forced: the quantized model reads prompt + fp32's continuation; the fraction of the 256
       positions where its argmax equals fp32's token (every position judged in the same context), by
@@ -92,12 +92,12 @@ def prefix_agreement(outputs, ref_outputs) -> float:
     return same / sum(len(r) for r in ref_outputs)
 
 
-PATHS = {"prefill": None, "decode": "small_batch"}      # path name -> chunk size (None: one pass)
+DECODE_CHUNK = 16
+PATHS = {"prefill": None, "decode": DECODE_CHUNK}       # path name -> chunk size (None: one pass)
 
 
 def chunk_of(path: str) -> int | None:
-    from tokenmill.quant import small_batch
-    return small_batch.MAX_ROWS if PATHS[path] == "small_batch" else None
+    return PATHS[path]
 
 
 def evaluate(modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:

@@ -1,20 +1,27 @@
-"""Decode steps of a few rows run one native call per decoder layer (csrc/decode_layer.cpp): the same
-kernels as the per-op path, so the same tokens and (to float rounding) the same log-probabilities."""
+"""Decode steps run one native call per decoder layer (csrc/decode_layer.cpp): the same kernels as the
+per-op path, so the same tokens and (to float rounding) the same log-probabilities. Every step here runs the
+tile kernels (float32 up to 128 rows, int8/int4 at any size); DecodeLinear's large-step kernels (what
+QuantMethod.apply runs) are checked against Linear at 17 and 40 rows by forcing a smaller limit."""
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the native kernels (a compiler)")
 
-PROMPTS = [[11, 220, 4890, 17, 9, 300, 5], [7, 8, 9], [1000, 2000, 3000, 4000, 5000]]
+_rng = random.Random(0)
+PROMPTS = [[11, 220, 4890, 17, 9, 300, 5], [7, 8, 9], [1000, 2000, 3000, 4000, 5000]] + \
+    [[_rng.randrange(10, 5000) for _ in range(_rng.randrange(1, 12))] for _ in range(17)]
 
 
 def run(model_dir: str, mode: str | None, native: bool, prompts):
     llm = LLM(model_dir, quantization=mode, native_decode_layers=native, enable_prefix_caching=False,
-              kv_cache_memory_bytes=1 << 22, block_size=4)
+              kv_cache_memory_bytes=1 << 23, block_size=4)
     model = llm.engine.core.runner.model.model
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
@@ -27,7 +34,7 @@ def run(model_dir: str, mode: str | None, native: bool, prompts):
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
 @pytest.mark.parametrize("arch,overrides", [("llama", dict(tie_word_embeddings=True)),
                                             ("qwen2", dict(tie_word_embeddings=False))])   # qkv bias
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 20])
 def test_native_layers_match_the_per_op_path(tiny_model_factory, mode, arch, overrides, batch):
     model_dir = tiny_model_factory(arch, **overrides)
     prompts = PROMPTS[:batch]
@@ -42,3 +49,40 @@ def test_native_layers_match_the_per_op_path(tiny_model_factory, mode, arch, ove
 def test_w8a8_keeps_the_per_op_path(tiny_model_factory):
     bound, _ = run(tiny_model_factory("llama"), "w8a8", True, PROMPTS[:1])
     assert not bound
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_model_factory, mode):
+    llm = LLM(tiny_model_factory("qwen2"), quantization=mode, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 22)
+    model = llm.engine.core.runner.model.model
+    assert model.native_max_rows > 10 ** 9            # every method here names its large-step kernel
+    native = cpu_kernels.load()
+    for linear in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj):
+        as_built = linear.native_decode_linear(native)
+        large = native.LargeLinear(*linear.quant_method.large_kernel(linear))
+        weight = getattr(linear, {None: "f32_tiles", "int8": "q8_tiles", "int4": "q4_tiles"}[mode])
+        scales = getattr(linear, "q8_tile_scales", None)
+        bias = None if linear.bias is None else linear.bias.data
+        kind = {None: "f32", "int8": "q8", "int4": "q4"}[mode]
+        limited = native.DecodeLinear(kind, weight, scales, bias, linear.out_features, 16, large)
+        for rows in (1, 16, 17, 40, 200):
+            x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(as_built(x), linear(x), rtol=1e-5, atol=1e-5)
+            expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
+            torch.testing.assert_close(limited(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_native_linear_without_a_large_kernel_says_so(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama"), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22)
+    linear = llm.engine.core.runner.model.model.layers[0].self_attn.o_proj
+    native = cpu_kernels.load()
+    small_only = native.DecodeLinear("f32", linear.f32_tiles, None, None, linear.out_features, 16,
+                                     native.LargeLinear("", linear.f32_tiles))
+    assert small_only.max_rows() == 16
+    small_only(torch.randn(16, linear.in_features))
+    with pytest.raises(RuntimeError, match="17 rows but no kernel for more than 16"):
+        small_only(torch.randn(17, linear.in_features))
+    with pytest.raises(RuntimeError, match="unknown large kind"):
+        native.DecodeLinear("f32", linear.f32_tiles, None, None, linear.out_features, 16,
+                            native.LargeLinear("bf16", linear.f32_tiles))

@@ -19,7 +19,7 @@ VARIANTS = {"llama-tied": ("llama", dict(tie_word_embeddings=True)),
 def prompt_logits(llm: LLM, ids: list[int], last_only: bool = False) -> torch.Tensor:
     """[T, vocab] logits of one prefill through the engine's model (prefix caching is off); last_only:
     [1, vocab] for the last position, the head run on one row as the engine runs it (quantized heads take
-    the small-batch kernel for a few rows, which rounds activations differently from the many-row one)."""
+    the tile kernel, whose int8 activations per 32 round differently from the exact float path)."""
     model, n = llm.engine.core.runner.model, len(ids)
     slots = torch.arange(n)
     hidden = model(torch.tensor(ids), torch.arange(n), AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]))

@@ -290,7 +290,7 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_cache: slot out of range");
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = sp[t];
       for (int64_t h = 0; h < KV; ++h) {
@@ -414,14 +414,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return DecodeStep{cos, sin, slot_mapping, decode_slots, decode_lens};
            }),
            py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("decode_slots"), py::arg("decode_lens"));
+  py::class_<LargeLinear>(m, "LargeLinear")
+      .def(py::init([](std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
+                       int64_t group_size) { return LargeLinear{kind, weight, scales, group_size}; }),
+           py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("group_size") = 0);
   py::class_<DecodeLinear>(m, "DecodeLinear")
       .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    int64_t>(),
-           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"));
+                    int64_t, int64_t, LargeLinear>(),
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
+           py::arg("small_rows"), py::arg("large"))
+      .def("__call__", &DecodeLinear::operator(), "x [T, K] float32 -> [T, N], the kernel Linear.forward picks")
+      .def("max_rows", &DecodeLinear::max_rows);
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, DecodeLinear, DecodeLinear, DecodeLinear, DecodeLinear,
                     int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>())
-      .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)");
+      .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)")
+      .def("max_rows", &DecodeLayer::max_rows, "the most rows a decode step may have");
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));
     m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",

@@ -3,25 +3,71 @@
 // in the same order, without the Python between them (about 40 us per layer at batch 1, a sixth of an
 // int4 decode step). Built once per layer after loading; see models/llama.py for when it runs.
 //
-// Linear layers (DecodeLinear), the small-batch kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32),
-// "q4" tiles (gemv_q4), "q8" tiles + scales (gemv_q8), plus an optional bias [N]. Needs those kernels
-// (AVX-512 VNNI builds): elsewhere the per-op path runs.
+// Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
+// kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
+// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN or PyTorch's int8/int4
+// kernels), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path
+// runs.
 #include "decode_layer.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <limits>
 
 #include "cpu_kernels.h"
 #include "gemv_kernels.h"
 
+namespace {
+
+// oneDNN's linear over a reordered weight, the op UnquantizedMethod.apply calls from Python
+// (mkldnn::_linear_pointwise, registered by PyTorch: called through the dispatcher, boxed).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 std::string("none"), c10::List<c10::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
 DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                           c10::optional<torch::Tensor> bias, int64_t out_features)
-    : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features) {
+                           c10::optional<torch::Tensor> bias, int64_t out_features, int64_t small_rows,
+                           LargeLinear large)
+    : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
+      small_rows_(small_rows), large_(std::move(large)) {
   TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8", "DecodeLinear: unknown kind ", kind_);
   TORCH_CHECK(kind_ != "q8" || scales_.has_value(), "DecodeLinear: q8 needs its scales");
+  const std::string& lk = large_.kind;
+  TORCH_CHECK(lk.empty() || lk == "onednn" || lk == "int8pack" || lk == "int4pack",
+              "DecodeLinear: unknown large kind ", lk);
+  TORCH_CHECK(lk.empty() || lk == "onednn" || large_.scales.has_value(), "DecodeLinear: ", lk, " needs its scales");
+  TORCH_CHECK(lk != "int4pack" || large_.group_size > 0, "DecodeLinear: int4pack needs its group size");
 #ifndef TOKENMILL_GEMV_KERNELS
-  TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI small-batch kernels");
+  TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
 #endif
 }
 
+int64_t DecodeLinear::max_rows() const {
+  return large_.kind.empty() ? small_rows_ : std::numeric_limits<int64_t>::max();
+}
+
+torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
+  TORCH_CHECK(!large_.kind.empty(), "DecodeLinear: ", x.size(0), " rows but no kernel for more than ",
+              small_rows_);
+  if (large_.kind == "onednn") return onednn_linear(x, large_.weight, bias_);
+  const torch::Tensor xc = x.to(large_.scales->scalar_type()).contiguous();
+  torch::Tensor y = large_.kind == "int8pack"
+                        ? at::_weight_int8pack_mm(xc, large_.weight, *large_.scales)
+                        : at::_weight_int4pack_mm_for_cpu(xc, large_.weight, large_.group_size, *large_.scales);
+  y = y.to(torch::kFloat32);
+  if (bias_.has_value()) y.add_(*bias_);
+  return y;
+}
+
 torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
+  if (x.size(0) > small_rows_) return large(x);
   torch::Tensor y;
 #ifdef TOKENMILL_GEMV_KERNELS
   if (kind_ == "f32") {
@@ -43,6 +89,10 @@ DecodeLayer::DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, doub
     : input_norm_(input_norm), post_norm_(post_norm), eps_(eps), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)),
       gate_up_(std::move(gate_up)), down_(std::move(down)), heads_(num_heads), kv_heads_(num_kv_heads),
       head_dim_(head_dim), scale_(scale), k_cache_(k_cache), v_cache_(v_cache) {}
+
+int64_t DecodeLayer::max_rows() const {
+  return std::min({qkv_.max_rows(), o_proj_.max_rows(), gate_up_.max_rows(), down_.max_rows()});
+}
 
 std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                               const DecodeStep& step) const {

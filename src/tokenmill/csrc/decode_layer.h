@@ -14,17 +14,31 @@ struct DecodeStep {
   torch::Tensor decode_lens;       // [T] int64
 };
 
+// The kernel a linear layer runs for steps of more than `small_rows` rows, as the per-op path's
+// QuantMethod.apply runs it: "onednn" (float32 weight reordered for oneDNN, bias fused), "int8pack"
+// (aten::_weight_int8pack_mm, scales [N]) or "int4pack" (aten::_weight_int4pack_mm_for_cpu, scales and
+// zeros [K/group, N, 2]); int kinds take activations in the scales' dtype and add the bias in float32.
+struct LargeLinear {
+  std::string kind;                // "" (none: steps above small_rows cannot run natively) or a kind above
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> scales;
+  int64_t group_size = 0;          // int4pack only
+};
+
 class DecodeLinear {
  public:
   DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-               c10::optional<torch::Tensor> bias, int64_t out_features);
+               c10::optional<torch::Tensor> bias, int64_t out_features, int64_t small_rows, LargeLinear large);
   torch::Tensor operator()(const torch::Tensor& x) const;   // x [T, K] float32 -> [T, N]
+  int64_t max_rows() const;        // the most rows a step may have (small_rows without a large kernel)
 
  private:
+  torch::Tensor large(const torch::Tensor& x) const;
   std::string kind_;               // "f32" | "q4" | "q8": which tiles weight_ holds
   torch::Tensor weight_;
   c10::optional<torch::Tensor> scales_, bias_;
-  int64_t n_;
+  int64_t n_, small_rows_;
+  LargeLinear large_;
 };
 
 class DecodeLayer {
@@ -36,6 +50,7 @@ class DecodeLayer {
   // LlamaDecoderLayer.forward. The residual is updated in place.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    const DecodeStep& step) const;
+  int64_t max_rows() const;        // the most rows a decode step may have: the least of its linears'
 
  private:
   torch::Tensor input_norm_, post_norm_;

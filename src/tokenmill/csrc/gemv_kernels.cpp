@@ -1,6 +1,7 @@
-// Small-batch linear layers (a few rows of activations against a large weight): decode at batch 1-16,
-// where a step is bound by reading every weight once. The weights are split evenly over the threads and
-// streamed once; the activations (a few KB) stay in L1.
+// Tiled linear layers. Built first for decode at batch 1-16, where a step is bound by reading every weight
+// once (hence the gemv_ names); with the chunked order of for_tiles they also run many rows near the
+// CPU's peak (int8/int4: 430-600 GOP/s with VNNI, float32: 215-231 GFLOP/s at 32-64 rows). The weights are
+// split evenly over the threads and each read from memory once; activations are reused from L1/L2.
 //
 //   gemv_f32(x [M, K] f32, w [N/16, K, 16] f32, N)                            exact float32 weights
 //   gemv_q8(x [M, K] f32, q [N/16, K/32, 512] int8, scale [N/16*16] f32, N)   w[n, k] = q[n, k] * scale[n]
@@ -189,17 +190,26 @@ void f32_row_block(const float* x, int64_t ldx, int64_t m0, const float* tiles, 
 
 // Calls block(rows, m0, rb) for every tile of up to kTileRows activation rows starting at m0 and every
 // row block rb in [b0, b1); rows is std::integral_constant<int, 1..4>, selecting the instantiation.
+// Order: the row blocks in chunks of about kChunkBytes of weights, every activation tile over one chunk
+// before the next, so each weight comes from memory once and is then reused from L2 by all M rows (at
+// batch 64 this made the lm_head 3x faster than tiles-outer, which streamed it M / 4 times).
+constexpr int64_t kChunkBytes = 256 << 10;
+
 template <class F>
-void for_tiles(int64_t M, int64_t b0, int64_t b1, const F& block) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-    for (int64_t rb = b0; rb < b1; ++rb) {
-      switch (std::min(kTileRows, M - m0)) {
-        case 1: block(std::integral_constant<int, 1>(), m0, rb); break;
-        case 2: block(std::integral_constant<int, 2>(), m0, rb); break;
-        case 3: block(std::integral_constant<int, 3>(), m0, rb); break;
-        default: block(std::integral_constant<int, 4>(), m0, rb); break;
+void for_tiles(int64_t M, int64_t b0, int64_t b1, int64_t block_bytes, const F& block) {
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, block_bytes));
+  for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+    const int64_t c1 = std::min(b1, c0 + chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+      for (int64_t rb = c0; rb < c1; ++rb) {
+        switch (std::min(kTileRows, M - m0)) {
+          case 1: block(std::integral_constant<int, 1>(), m0, rb); break;
+          case 2: block(std::integral_constant<int, 2>(), m0, rb); break;
+          case 3: block(std::integral_constant<int, 3>(), m0, rb); break;
+          default: block(std::integral_constant<int, 4>(), m0, rb); break;
+        }
       }
-    }
+  }
 }
 
 }  // namespace
@@ -216,7 +226,7 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   parallel_over_rows(blocks, w.numel() * 4, [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+    for_tiles(M, b0, b1, K * 16 * 4, [&](auto rows, int64_t m0, int64_t rb) {
       f32_row_block<decltype(rows)::value>(xp, ldx, m0, wp, K, yp + m0 * N, N, rb, N);
     });
   });
@@ -237,7 +247,7 @@ torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+    for_tiles(M, b0, b1, q.size(1) * 512, [&](auto rows, int64_t m0, int64_t rb) {
       q8_row_block<decltype(rows)::value>(a, m0, qp, sp, yp + m0 * N, N, rb, N);
     });
   });
@@ -255,7 +265,7 @@ torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, [&](auto rows, int64_t m0, int64_t rb) {
+    for_tiles(M, b0, b1, q.size(1) * 320, [&](auto rows, int64_t m0, int64_t rb) {
       q4_row_block<decltype(rows)::value>(a, m0, qp, yp + m0 * N, N, rb, N);
     });
   });

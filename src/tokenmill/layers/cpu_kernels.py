@@ -1,6 +1,6 @@
 """Native CPU kernels, built on first use with torch.utils.cpp_extension and cached on disk:
 csrc/cpu_kernels.cpp (paged decode attention, KV cache write, rotary, SwiGLU, RMSNorm),
-csrc/gemv_kernels.cpp (small-batch float32 / int8 / int4 linear layers) and csrc/decode_layer.cpp
+csrc/gemv_kernels.cpp (tiled float32 / int8 / int4 linear layers) and csrc/decode_layer.cpp
 (a decoder layer for small decode steps, chaining those kernels in one call).
 
 `load()` returns the compiled module, or None when no compiler is available: callers then use the

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.quant import small_batch
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.unquantized import UnquantizedMethod
 
@@ -26,18 +25,20 @@ class Linear(nn.Module):
         self.prefix = ""                              # module name, for error messages
         self.quant_method: QuantMethod = _UNQUANTIZED
         self.quant_method.create_weights(self)
-        self.small_batch_fn = None                    # x -> y for steps of <= small_batch.MAX_ROWS rows
+        self.tile_fn = None                           # x -> y for steps of <= tile_max_rows rows
+        self.tile_max_rows = 0
 
     def set_quant_method(self, method: QuantMethod) -> None:
         """After loading: pack the float weight for `method` and use it from now on."""
         method.process_weights_after_loading(self)
         self.quant_method = method
-        self.small_batch_fn = method.small_batch_kernel(self)
+        self.tile_fn = method.tile_kernel(self)
+        self.tile_max_rows = method.tile_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
-        if self.small_batch_fn is not None and x.shape[0] <= small_batch.MAX_ROWS:
-            return self.small_batch_fn(x)
+        if self.tile_fn is not None and x.shape[0] <= self.tile_max_rows:
+            return self.tile_fn(x)
         return self.quant_method.apply(self, x)
 
     def shard_rows(self, shard_id) -> slice:
@@ -45,18 +46,22 @@ class Linear(nn.Module):
         return slice(0, self.out_features)
 
     def native_decode_linear(self, native):
-        """This layer as csrc/decode_layer.cpp's DecodeLinear (the same kernel its small steps run), or None
-        where no native equivalent exists (e.g. w8a8, or float32-compute reference modes)."""
-        if self.small_batch_fn is not None and getattr(self, "q4_tiles", None) is not None:
+        """This layer as csrc/decode_layer.cpp's DecodeLinear: the tile kernel its steps of up to
+        tile_max_rows rows run and, where the method names one, the kernel `apply` runs for larger steps.
+        None without a tile kernel (e.g. w8a8, or float32-compute reference modes)."""
+        if self.tile_fn is not None and getattr(self, "q4_tiles", None) is not None:
             kind, weight, scales = "q4", self.q4_tiles, None
-        elif self.small_batch_fn is not None and getattr(self, "q8_tiles", None) is not None:
+        elif self.tile_fn is not None and getattr(self, "q8_tiles", None) is not None:
             kind, weight, scales = "q8", self.q8_tiles, self.q8_tile_scales
-        elif self.small_batch_fn is not None and getattr(self, "f32_tiles", None) is not None:
+        elif self.tile_fn is not None and getattr(self, "f32_tiles", None) is not None:
             kind, weight, scales = "f32", self.f32_tiles, None
         else:
             return None
         bias = None if self.bias is None else self.bias.data
-        return native.DecodeLinear(kind, weight, scales, bias, self.out_features)
+        large = self.quant_method.large_kernel(self)
+        large = native.LargeLinear("", weight) if large is None else native.LargeLinear(*large)
+        return native.DecodeLinear(kind, weight, scales, bias, self.out_features, self.tile_max_rows,
+                                   large)
 
 
 class MergedLinear(Linear):

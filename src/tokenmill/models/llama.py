@@ -34,14 +34,17 @@ class LlamaAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """rope: the step's (cos, sin) from RotaryEmbedding.gather; x [T, hidden] -> [T, hidden]."""
+                meta: AttentionMetadata, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rope: the step's (cos, sin) from RotaryEmbedding.gather; x [T, hidden] -> [T, hidden], or
+        [len(keep_rows), hidden] for rows keep_rows only (every row's keys and values are still cached)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(rope, q, k)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if keep_rows is not None:
+            out = out[keep_rows]
         return self.o_proj(out)
 
 
@@ -69,12 +72,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, x, residual, meta):
+    def forward(self, rope, x, residual, meta, keep_rows: torch.Tensor | None = None):
+        """x, residual [T, hidden] (residual None in the first layer) -> (mlp output, residual), [T, hidden],
+        or [len(keep_rows), hidden] after attention when keep_rows is given (the last layer of a step whose
+        other rows are not sampled: their attention output, o_proj and MLP are skipped)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, keep_rows)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -93,11 +101,12 @@ class LlamaModel(nn.Module):
 
     def bind_native_decode(self) -> bool:
         """After quantization and KV cache binding: build one native DecodeLayer per layer, which runs decode
-        steps of up to `native_max_rows` rows (the small-batch kernels' limit) with the same kernels as the
-        per-op path, minus the Python between them. False (per-op path only) without the small-batch
+        steps of up to `native_max_rows` rows with the same kernels as the per-op path, minus the Python
+        between them: any number of rows where every linear layer's method names its large-step kernel
+        (float32, int8, int4), else the tile kernels' limit. False (per-op path only) without the tile
         kernels or for layers they cannot take (e.g. w8a8)."""
-        from tokenmill.quant import small_batch
-        native = small_batch.kernels()
+        from tokenmill.quant import tile_kernels
+        native = tile_kernels.kernels()
         if native is None:
             return False
         built = []
@@ -113,7 +122,7 @@ class LlamaModel(nn.Module):
             norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
             built.append(native.DecodeLayer(*norms, layer.input_layernorm.eps, *linears, attn.num_heads,
                                             attn.num_kv_heads, attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
-        self.native_layers, self.native_max_rows = built, small_batch.MAX_ROWS
+        self.native_layers, self.native_max_rows = built, min(layer.max_rows() for layer in built)
         return True
 
     def _native_step(self, rope, meta):
@@ -125,7 +134,10 @@ class LlamaModel(nn.Module):
             return None
         return cpu_kernels.load().DecodeStep(rope[0], rope[1], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden], or of rows keep_rows only
+        ([len(keep_rows), hidden]; the last layer then skips the other rows after caching their keys and
+        values: in a prefill chunk only the last row is sampled)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.gather(positions)
         step = self._native_step(rope, meta)
@@ -133,9 +145,12 @@ class LlamaModel(nn.Module):
             self.native_steps += 1
             for native_layer in self.native_layers:
                 x, residual = native_layer.forward(x, residual, step)
+            if keep_rows is not None:
+                x, residual = x[keep_rows], residual[keep_rows]
         else:
-            for layer in self.layers:
-                x, residual = layer(rope, x, residual, meta)
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(rope, x, residual, meta, keep_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
@@ -162,9 +177,9 @@ class LlamaForCausalLM(nn.Module):
     def bind_native_decode(self) -> bool:
         return self.model.bind_native_decode()
 
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (rows keep_rows only when given)."""
+        return self.model(input_ids, positions, meta, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, vocab] float32."""

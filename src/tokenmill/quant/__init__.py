@@ -45,7 +45,7 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     (`quantize_tied_lm_head`, overridable here); otherwise it stays float32. Embeddings are never quantized.
     """
     from tokenmill.layers.linear import Linear
-    if method is None:   # float32: the oneDNN copy and the small-batch tiles, made once now
+    if method is None:   # float32: the oneDNN copy and the tiles, made once now
         fp32 = get_quant_method("fp32")
         for layer in model.modules():
             if isinstance(layer, Linear):

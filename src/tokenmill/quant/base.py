@@ -5,8 +5,10 @@ A method object is stateless and shared by all layers that use it; what it compu
     create_weights(layer)                  at construction: the float32 `weight` [out, in] checkpoints load into
     process_weights_after_loading(layer)   once, after loading: pack `weight` for the kernel, drop it
     apply(layer, x)                        every forward: x [T, in] float32 -> [T, out] float32
-    small_batch_kernel(layer)              once, after packing: a faster function for steps of at most
-                                           quant.small_batch.MAX_ROWS rows, or None
+    tile_kernel(layer)                     once, after packing: the native tile kernel's function for steps
+                                           of at most `tile_max_rows` rows, or None
+    large_kernel(layer)                    once, after packing: what `apply` runs, named for the native
+                                           decoder layer (csrc/decode_layer.h LargeLinear), or None
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class QuantMethod:
     # Method name for the lm_head instead of this one (None: this one). The head turns hidden states into
     # logits directly, so it is the layer most sensitive to weight error (llama.cpp keeps it at >= 6 bits).
     lm_head_method: str | None = None
+    # Steps of at most this many rows run tile_kernel's function (where there is one), larger ones `apply`.
+    tile_max_rows: int = 0
 
     def method_for(self, prefix: str) -> str | None:
         """Name of the method the layer named `prefix` should use instead of this one; None: this one."""
@@ -45,9 +49,14 @@ class QuantMethod:
         """x [T, in_features] float32 -> [T, out_features] float32 (bias included)."""
         raise NotImplementedError
 
-    def small_batch_kernel(self, layer: nn.Module):
-        """A function x [T, in] float32 -> [T, out] float32 (bias included) for T <= small_batch.MAX_ROWS,
-        bound to this layer's packed weights; None when `apply` is the only path."""
+    def tile_kernel(self, layer: nn.Module):
+        """A function x [T, in] float32 -> [T, out] float32 (bias included) for T <= tile_max_rows, bound to
+        this layer's packed weights; None when `apply` is the only path."""
+        return None
+
+    def large_kernel(self, layer: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None, int] | None:
+        """(kind, weight, scales, group_size) of the kernel `apply` runs, for csrc/decode_layer.h's
+        LargeLinear, which must compute exactly what `apply` does; None where it has no native twin."""
         return None
 
     @staticmethod

@@ -9,14 +9,15 @@ Activations: as for int8, the kernel's vectorized path takes bfloat16 only (floa
 about 30x slower), so x, scale and zero are bfloat16 in the call; accumulation is float32 inside.
 Shapes: out_features a multiple of 16 and in_features a multiple of 32.
 
-Small batches (quant/small_batch.py): a second copy in the native kernel's tile layout (`q4_tiles`, with
-Q4_1's float16 d and m = zero - 8 * scale per group; exact for GGUF Q4_1) runs steps of up to 16 rows.
+Where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py) every step runs a second copy in
+their tile layout instead (`q4_tiles`, with Q4_1's float16 d and m = zero - 8 * scale per group; exact for
+GGUF Q4_1): 2-4x faster than the PyTorch kernel from 1 to 512 rows.
 """
 from __future__ import annotations
 
 import torch
 
-from tokenmill.quant import small_batch
+from tokenmill.quant import tile_kernels
 from tokenmill.quant.base import QuantMethod
 
 GROUP_SIZE = 32
@@ -24,6 +25,7 @@ GROUP_SIZE = 32
 
 class Int4WeightOnlyMethod(QuantMethod):
     name = "int4"
+    tile_max_rows = tile_kernels.ANY_ROWS
     lm_head_method = "int8"   # int4 lm_head: default model perplexity +4.5%; int8 head: about +0.2%
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -47,15 +49,18 @@ class Int4WeightOnlyMethod(QuantMethod):
         sz = torch.stack([scale.t(), zero.t()], dim=-1).to(self.compute_dtype).contiguous()  # [K/32, N, 2]
         layer.register_buffer("int4_packed", packed, persistent=False)              # [N, K/2] uint8
         layer.register_buffer("scales_and_zeros", sz, persistent=False)
-        if small_batch.kernels() is not None:                         # in_features % 32 == 0 (check_shape)
+        if tile_kernels.kernels() is not None:                         # in_features % 32 == 0 (check_shape)
             layer.register_buffer("q4_tiles", pack_q4_tiles(q, scale, zero - 8.0 * scale), persistent=False)
 
-    def small_batch_kernel(self, layer):
+    def tile_kernel(self, layer):
         tiles = getattr(layer, "q4_tiles", None)
         if tiles is None or self.compute_dtype != torch.bfloat16:    # float32 compute: the exact reference path
             return None
-        gemv_q4, n = small_batch.kernels().gemv_q4, layer.out_features
-        return small_batch.with_bias(lambda x: gemv_q4(x, tiles, n), layer.bias)
+        gemv_q4, n = tile_kernels.kernels().gemv_q4, layer.out_features
+        return tile_kernels.with_bias(lambda x: gemv_q4(x, tiles, n), layer.bias)
+
+    def large_kernel(self, layer):
+        return "int4pack", layer.int4_packed, layer.scales_and_zeros, GROUP_SIZE   # activations in sz's dtype
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype).contiguous()
@@ -78,7 +83,7 @@ def quantize_groupwise_int4(w: torch.Tensor, group_size: int = GROUP_SIZE):
 
 def pack_q4_tiles(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """q [N, K] 0..15, d, m [N, K/32] (w = d * q + m) -> [ceil(N/16), K/32, 320] uint8 tiles of the native
-    small-batch kernel (layout in csrc/gemv_kernels.cpp): per 16 rows x 32 inputs, 256 bytes of nibbles
+    tile kernel (layout in csrc/gemv_kernels.cpp): per 16 rows x 32 inputs, 256 bytes of nibbles
     (byte 4i + j of chunk c: row i's inputs 8c + j low, 8c + 4 + j high), then d and m as float16."""
     n, k = q.shape
     groups, blocks = k // GROUP_SIZE, (n + 15) // 16

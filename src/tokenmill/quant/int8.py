@@ -7,19 +7,22 @@ would need one call per group, so Q8_0 checkpoints are requantized per channel f
 Activations: the kernel's vectorized path (AVX2/AVX-512) exists for bfloat16 inputs only; with float32
 inputs it runs a scalar loop about 15x slower than float32 F.linear. So x is cast to bfloat16 for the
 call (it accumulates in float32) and the result cast back; compute_dtype=torch.float32 gives the exact,
-slow path (tests). Steps of up to 16 rows run the native kernel instead (quant/small_batch.py: int8
-activations per group of 32, integer dot products) on a second copy of the weight in its tile layout.
+slow path (tests). Where the native tile kernels exist (AVX-512 VNNI) every step runs them instead
+(quant/tile_kernels.py: int8 activations per group of 32, integer dot products, 3-4x faster) on a second
+copy of the weight in its tile layout; the PyTorch copy stays for the reference mode and the native
+decoder layer's description (large_kernel).
 """
 from __future__ import annotations
 
 import torch
 
-from tokenmill.quant import small_batch
+from tokenmill.quant import tile_kernels
 from tokenmill.quant.base import QuantMethod
 
 
 class Int8WeightOnlyMethod(QuantMethod):
     name = "int8"
+    tile_max_rows = tile_kernels.ANY_ROWS
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         self.compute_dtype = compute_dtype
@@ -28,18 +31,21 @@ class Int8WeightOnlyMethod(QuantMethod):
         q, scale = quantize_per_channel_int8(layer.weight.data)
         layer.register_buffer("qweight", q, persistent=False)                       # [N, K] int8
         layer.register_buffer("scales", scale.to(self.compute_dtype), persistent=False)  # [N]
-        if small_batch.kernels() is not None and layer.in_features % 32 == 0:       # small-batch kernel's copy
+        if tile_kernels.kernels() is not None and layer.in_features % 32 == 0:       # the tile kernel's copy
             tiles, padded_scales = pack_q8_tiles(q, scale)
             layer.register_buffer("q8_tiles", tiles, persistent=False)
             layer.register_buffer("q8_tile_scales", padded_scales, persistent=False)
         self.drop_float_weight(layer)
 
-    def small_batch_kernel(self, layer):
+    def tile_kernel(self, layer):
         tiles = getattr(layer, "q8_tiles", None)
         if tiles is None or self.compute_dtype != torch.bfloat16:    # float32 compute: the exact reference path
             return None
-        gemv_q8, scales, n = small_batch.kernels().gemv_q8, layer.q8_tile_scales, layer.out_features
-        return small_batch.with_bias(lambda x: gemv_q8(x, tiles, scales, n), layer.bias)
+        gemv_q8, scales, n = tile_kernels.kernels().gemv_q8, layer.q8_tile_scales, layer.out_features
+        return tile_kernels.with_bias(lambda x: gemv_q8(x, tiles, scales, n), layer.bias)
+
+    def large_kernel(self, layer):
+        return "int8pack", layer.qweight, layer.scales, 0        # activations in the scales' dtype
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype).contiguous()
@@ -57,7 +63,7 @@ def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def pack_q8_tiles(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8, scale [N] -> ([ceil(N/16), K/32, 512] int8 tiles, [ceil(N/16) * 16] float32 scales)
-    for the native small-batch kernel (csrc/gemv_kernels.cpp): byte 64c + 4i + j of a tile is row i's
+    for the native tile kernel (csrc/gemv_kernels.cpp): byte 64c + 4i + j of a tile is row i's
     input 4c + j of the group; rows past N are zero."""
     n, k = q.shape
     blocks = (n + 15) // 16

@@ -1,14 +1,15 @@
 """float32 weights (exact checkpoint values), on the fastest CPU GEMM path per shape:
 
-- several rows (prefill chunks, decode batches): oneDNN's linear over a weight reordered once into its
-  blocked layout (`mkldnn._reorder_linear_weight`, the path torch.compile's CPU freezing uses). Measured on
-  the project's CPU it runs at 100-112 GFLOP/s per core where F.linear gives 40-95 (60 for the 49152-wide
-  lm_head), see benchmarks/profile_step.py;
-- up to 16 rows (decode at small batches), where the step streams the weight once: the native small-batch
-  kernel (csrc/gemv_kernels.cpp gemv_f32) over a copy of the weight in tiles of 16 rows side by side (one
-  FMA per 16 weights, no horizontal sums): measured 48 GB/s where `bmm` over per-thread row blocks reads
-  at 39 GB/s and a single-threaded F.linear GEMV at about 12. Without the native kernels a single row
-  takes the `bmm` split (gemv_split_rows).
+- more than tile_kernels.FLOAT32_MAX_ROWS rows (prefill chunks): oneDNN's linear over a weight reordered
+  once into its blocked layout (`mkldnn._reorder_linear_weight`, the path torch.compile's CPU freezing
+  uses). Measured on the project's CPU it runs at 100-112 GFLOP/s per core where F.linear gives 40-95 (60
+  for the 49152-wide lm_head), see benchmarks/profile_step.py;
+- up to FLOAT32_MAX_ROWS rows (decode steps): the native tile kernel (csrc/gemv_kernels.cpp gemv_f32) over
+  a copy of the weight in tiles of 16 rows side by side (one FMA per 16 weights, no horizontal sums). At
+  batch 1 it streams the weight at 48 GB/s where `bmm` over per-thread row blocks reads at 39 GB/s and a
+  single-threaded F.linear GEMV at about 12; at 32-64 rows it runs the attention and MLP projections at
+  215-231 GFLOP/s against oneDNN's 171-226 (best of 5, same process). Without the native kernels a single
+  row takes the `bmm` split (gemv_split_rows).
 Same math in float32 throughout (only the summation order differs from F.linear). With both the oneDNN copy
 and the tiles made, the layer's own float32 weight is dropped (a tied embedding keeps its tensor).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant import small_batch
+from tokenmill.quant import tile_kernels
 from tokenmill.quant.base import QuantMethod
 
 _HAS_ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
@@ -25,22 +26,27 @@ _HAS_ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.
 
 class UnquantizedMethod(QuantMethod):
     name = "fp32"
+    tile_max_rows = tile_kernels.FLOAT32_MAX_ROWS
 
     def process_weights_after_loading(self, layer) -> None:
         if layer.weight is None or layer.weight.dtype != torch.float32 or layer.weight.is_cuda:
             return
         packed = onednn_weight(layer)                      # made now, not during the first request
-        if small_batch.kernels() is not None:
+        if tile_kernels.kernels() is not None:
             layer.register_buffer("f32_tiles", pack_f32_tiles(layer.weight.data), persistent=False)
             if packed is not None:
                 self.drop_float_weight(layer)
 
-    def small_batch_kernel(self, layer):
+    def tile_kernel(self, layer):
         tiles = getattr(layer, "f32_tiles", None)
         if tiles is None:
             return None
-        gemv_f32, n = small_batch.kernels().gemv_f32, layer.out_features
-        return small_batch.with_bias(lambda x: gemv_f32(x, tiles, n), layer.bias)
+        gemv_f32, n = tile_kernels.kernels().gemv_f32, layer.out_features
+        return tile_kernels.with_bias(lambda x: gemv_f32(x, tiles, n), layer.bias)
+
+    def large_kernel(self, layer):
+        packed = getattr(layer, "_onednn_weight", None)
+        return None if packed is None else ("onednn", packed, None, 0)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and layer.weight is not None:

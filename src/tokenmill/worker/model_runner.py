@@ -58,10 +58,15 @@ class ModelRunner:
         if sched_out.is_empty:
             return RunnerOutput({})
         inputs = build_step_inputs(sched_out, self.block_size)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        sampled_rows = inputs.sample_rows
+        if sampled_rows.numel() == inputs.input_ids.numel():     # every row samples (decodes): no selection
+            sampled_rows = None
+        elif sampled_rows.numel() == 0:                          # nothing samples: still one row through the
+            sampled_rows = inputs.input_ids.new_zeros(1)         # layers, so every row's keys and values are cached
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, sampled_rows)
         if not inputs.sample_request_idx:
             return RunnerOutput({})
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])      # [R, vocab] float32
+        logits = self.model.compute_logits(hidden)                           # [R, vocab] float32
         scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]
         metas = [self._sampling_meta(sr) for sr in scheduled]
         out = self.sampler(logits, metas)

@@ -1,6 +1,6 @@
-"""The native small-batch kernels (csrc/gemv_kernels.cpp) against float64 references of what they compute:
-the dequantized weight times activations quantized to int8 per group of 32; their tile layouts; their use
-by Linear for steps of at most MAX_ROWS rows."""
+"""The native tile kernels (csrc/gemv_kernels.cpp) against float64 references of what they compute: the
+dequantized weight times activations quantized to int8 per group of 32; their tile layouts; their use by
+Linear (float32 up to FLOAT32_MAX_ROWS rows, int8/int4 at every step size)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant import get_quant_method, small_batch
+from tokenmill.quant import get_quant_method, tile_kernels
 from tokenmill.quant.int4 import pack_q4_tiles, quantize_groupwise_int4
 from tokenmill.quant.int8 import pack_q8_tiles, quantize_per_channel_int8
 from tokenmill.quant.unquantized import pack_f32_tiles
 
-native = small_batch.kernels()
-pytestmark = pytest.mark.skipif(native is None, reason="small-batch kernels need AVX-512 VNNI and a compiler")
+native = tile_kernels.kernels()
+pytestmark = pytest.mark.skipif(native is None, reason="tile kernels need AVX-512 VNNI and a compiler")
 
 SHAPES = [(96, 64), (100, 576), (36, 1536), (2048, 128), (20, 96)]      # N % 16 != 0, K % 64 != 0 included
 
@@ -34,7 +34,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 37])
 def test_q4_kernel_matches_float64_reference(n, k, m):
     g = torch.Generator().manual_seed(n + k + m)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -48,7 +48,7 @@ def test_q4_kernel_matches_float64_reference(n, k, m):
 
 
 @pytest.mark.parametrize("n,k", SHAPES + [(50, 75)])           # float32 takes any K
-@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 37])
 def test_f32_kernel_matches_float64_reference(n, k, m):
     g = torch.Generator().manual_seed(n + k + m)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
@@ -63,14 +63,14 @@ def test_f32_linear_keeps_only_its_packed_copies_and_matches_f_linear():
     layer.bias.data.copy_(torch.randn(40, generator=g))
     w, b = layer.weight.data.clone(), layer.bias.data.clone()
     layer.set_quant_method(get_quant_method("fp32"))
-    assert layer.weight is None and layer.small_batch_fn is not None    # oneDNN copy + tiles remain
-    for rows in (1, small_batch.MAX_ROWS, small_batch.MAX_ROWS + 1):   # tiles up to MAX_ROWS, then oneDNN
+    assert layer.weight is None and layer.tile_fn is not None    # oneDNN copy + tiles remain
+    for rows in (1, tile_kernels.FLOAT32_MAX_ROWS, tile_kernels.FLOAT32_MAX_ROWS + 1):  # tiles, then oneDNN
         x = torch.randn(rows, 96, generator=g)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 37])
 def test_q8_kernel_matches_float64_reference(n, k, m):
     g = torch.Generator().manual_seed(n + k + m)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
@@ -117,7 +117,7 @@ def test_q4_tiles_hold_every_nibble_and_float16_scale_once():
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_uses_the_small_batch_kernel_up_to_max_rows(mode, bias):
+def test_linear_uses_the_tile_kernel_up_to_max_rows(mode, bias):
     g = torch.Generator().manual_seed(6)
     layer = Linear(576, 208, bias=bias)           # int4: PyTorch's kernel needs N % 16 == 0
     layer.weight.data.copy_(torch.randn(208, 576, generator=g) * 0.05)
@@ -131,14 +131,15 @@ def test_linear_uses_the_small_batch_kernel_up_to_max_rows(mode, bias):
         q, scale = quantize_per_channel_int8(w)
         w_dq = q.double() * scale.double()[:, None]
     layer.set_quant_method(get_quant_method(mode))
-    assert layer.small_batch_fn is not None
-    x = torch.randn(small_batch.MAX_ROWS + 1, 576, generator=g)
+    assert layer.tile_fn is not None
+    assert layer.tile_max_rows == tile_kernels.ANY_ROWS
+    x = torch.randn(300, 576, generator=g)
     ref = x.double() @ w_dq.T + (layer.bias.double() if bias else 0)
-    small = layer(x[:small_batch.MAX_ROWS])                 # native kernel: int8 activations per 32
-    large = layer(x)                                        # PyTorch's kernel: bfloat16 activations
-    assert rel_err(small, ref[:small_batch.MAX_ROWS]) < 2e-2 and rel_err(large, ref) < 2e-2
-    one = layer(x[:1])                                      # rows are independent of each other
-    torch.testing.assert_close(one, small[:1], rtol=0, atol=0)
+    tiled = layer(x)                                        # native kernel: int8 activations per 32
+    pytorch = layer.quant_method.apply(layer, x)            # PyTorch's kernel: bfloat16 activations
+    assert rel_err(tiled, ref) < 2e-2 and rel_err(pytorch, ref) < 2e-2
+    for rows in (1, 17):                                    # rows are independent of each other
+        torch.testing.assert_close(layer(x[:rows]), tiled[:rows], rtol=0, atol=0)
 
 
 def test_gguf_q4_1_scales_reach_the_tiles_exactly():
