@@ -51,6 +51,22 @@ def test_failed_confirmation_backs_off_one_step():
     assert [r["phase"] for r in res2.rows][-2:] == ["confirm", "confirm"]
 
 
+def test_a_failed_confirmation_without_room_to_back_off_is_reported_as_such():
+    n = len(asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, precision=0.05, max_runs=20))).runs)
+    res = asyncio.run(find_peak(FakeSession(flaky_at=n), PeakSearchConfig(0.5, precision=0.05, max_runs=n)))
+    assert not res.confirmed and res.rows[-1]["phase"] == "confirm" and not res.rows[-1]["meets_limits"]
+    assert res.failed_confirmations == [res.rows[-1]["target_qps"]] and res.peak_qps is not None
+    head = [line for line in _sections(res) if line.startswith("**Peak")][0]
+    assert "NOT confirmed" in head and f"{res.failed_confirmations[0]:.4g} QPS missed the limits" in head
+
+
+def _sections(res):
+    import tempfile
+    from tokenmill.bench.workflows import peak_sections
+    with tempfile.TemporaryDirectory() as d:
+        return peak_sections(res, d, "peak")
+
+
 def test_start_too_high_halves_then_gives_up():
     res = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(100.0, max_runs=20, max_halvings=2)))
     assert res.peak_qps is None and [r["target_qps"] for r in res.rows] == [100.0, 50.0, 25.0]

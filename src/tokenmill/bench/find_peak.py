@@ -38,6 +38,7 @@ class PeakResult:
     rows: list[dict] = field(default_factory=list)
     stopped_by_max_runs: bool = False  # the run cap or the time budget ended the search
     confirmed: bool = False            # peak came from a confirming run (else: the best passing search run)
+    failed_confirmations: list[float] = field(default_factory=list)   # QPS of confirming runs that missed
 
 
 def meets_limits(o: Outcome) -> bool:
@@ -118,6 +119,7 @@ async def _confirm(s: _Search, qps: float) -> None:
         if meets_limits(o):
             s.result.peak_qps, s.result.peak, s.result.confirmed = qps, o, True
             return
+        s.result.failed_confirmations.append(qps)
         qps *= 1.0 - s.cfg.precision                      # back off one step
     if s.best is not None:
         s.result.peak_qps, s.result.peak = s.best.result.target_qps, s.best

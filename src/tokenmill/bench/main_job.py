@@ -31,7 +31,8 @@ class MainJobConfig:
     max_query_count: int = 48
     start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
     precision: float = 0.2             # relative QPS precision of the peak search
-    max_runs: int = 8                  # Server runs in the peak search, confirmation included
+    max_runs: int = 10                 # Server runs in the peak search, confirmations included (room for
+                                       # two back-offs after a failed confirmation at the usual 7 search runs)
     search_budget_s: float = 180.0     # s; no new search run starts after this (the confirmation may)
     seed: int = 0
 
@@ -65,13 +66,15 @@ def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list
              f"({offline.verdict.label}).",
              (f"- Server peak (p99 TTFT <= {cfg.profile.ttft_limit_ms:g} ms, p99 TPOT <= {cfg.profile.tpot_limit_ms:g} ms): "
               f"**{peak.peak_qps:.3g} QPS, {server.result.metrics.completed_tokens_per_s:.1f} completed tokens/s** "
-              f"(full verdict {server.verdict.label})") if server else
+              f"({'confirmed' if peak.confirmed else 'NOT confirmed, see find-peak'}; full verdict "
+              f"{server.verdict.label})") if server else
              "- Server: no target QPS met the latency limits in this search.",
              f"- Server runs are {job.min_duration_s:g} s / at least {job.min_query_count} queries "
              f"(at most {job.max_query_count}): far too few for MLPerf's early stopping (662 queries to certify a "
              f"p99 estimate), so their full verdicts are INVALID by design; the search itself uses the latency "
              f"limits, as LoadGen's FindPeakPerformance does.", ""]
     summary = {"offline_tokens_per_s": offline.result.metrics.tokens_per_s, "peak_qps": peak.peak_qps,
+               "peak_confirmed": peak.confirmed,
                "server_completed_tokens_per_s": server.result.metrics.completed_tokens_per_s if server else None,
                "server_offline_ratio": ratio, "peak_search": peak.rows}
     return lines + ratio_lines, summary

@@ -95,6 +95,11 @@ def peak_table(rows: list[dict]) -> list[str]:
 
 def peak_sections(result, out_dir: str, stem: str) -> list[str]:
     how = "confirmed by a second run" if result.confirmed else "the best passing run; no room left to confirm it"
+    if not result.confirmed and result.failed_confirmations:
+        failed = ", ".join(f"{q:.4g}" for q in result.failed_confirmations)
+        how = (f"NOT confirmed: the confirming run at {failed} QPS missed the limits and the run cap or time "
+               "budget left no room to back off further; this is the best passing search run, an optimistic "
+               "figure")
     head = (f"**Peak target QPS meeting the limits: {result.peak_qps:.4g}** ({how})"
             if result.peak_qps is not None else "**No target QPS met the limits** (lower the start QPS)")
     lines = ["## find-peak", "", head, "",
