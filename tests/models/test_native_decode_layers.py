@@ -1,7 +1,7 @@
 """Decode steps run one native call per decoder layer (csrc/decode_layer.cpp): the same kernels as the
 per-op path, so the same tokens and (to float rounding) the same log-probabilities. Every step here runs the
-tile kernels (float32 up to 128 rows, int8/int4 at any size); DecodeLinear's large-step kernels (what
-QuantMethod.apply runs) are checked against Linear at 17 and 40 rows by forcing a smaller limit."""
+tile kernels (float32 up to 128 rows, int8/int4 at any size); float32's large-step kernel (oneDNN, what
+UnquantizedMethod.apply runs) is checked at 17 and 40 rows by forcing a smaller limit."""
 from __future__ import annotations
 
 import random
@@ -56,21 +56,25 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
     llm = LLM(tiny_model_factory("qwen2"), quantization=mode, enable_prefix_caching=False,
               kv_cache_memory_bytes=1 << 22)
     model = llm.engine.core.runner.model.model
-    assert model.native_max_rows > 10 ** 9            # every method here names its large-step kernel
+    assert model.native_max_rows > 10 ** 9            # int8/int4 tiles take any step; float32 has oneDNN above
     native = cpu_kernels.load()
     for linear in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj):
         as_built = linear.native_decode_linear(native)
-        large = native.LargeLinear(*linear.quant_method.large_kernel(linear))
-        weight = getattr(linear, {None: "f32_tiles", "int8": "q8_tiles", "int4": "q4_tiles"}[mode])
-        scales = getattr(linear, "q8_tile_scales", None)
-        bias = None if linear.bias is None else linear.bias.data
-        kind = {None: "f32", "int8": "q8", "int4": "q4"}[mode]
-        limited = native.DecodeLinear(kind, weight, scales, bias, linear.out_features, 16, large)
         for rows in (1, 16, 17, 40, 200):
             x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
             torch.testing.assert_close(as_built(x), linear(x), rtol=1e-5, atol=1e-5)
-            expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
-            torch.testing.assert_close(limited(x), expected, rtol=1e-5, atol=1e-5)
+        if mode is None:                              # oneDNN above a (here forced) limit of 16 rows
+            assert linear.quant_method.large_kernel(linear)[0] == "onednn"
+            large = native.LargeLinear(*linear.quant_method.large_kernel(linear))
+            bias = None if linear.bias is None else linear.bias.data
+            limited = native.DecodeLinear("f32", linear.f32_tiles, None, bias, linear.out_features, 16, large)
+            for rows in (16, 17, 40):
+                x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
+                expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
+                torch.testing.assert_close(limited(x), expected, rtol=0, atol=0)
+        else:                                         # int8/int4: the tiles are the only copy
+            assert linear.quant_method.large_kernel(linear) is None
+            assert getattr(linear, "qweight", None) is None and getattr(linear, "int4_packed", None) is None
 
 
 def test_a_native_linear_without_a_large_kernel_says_so(tiny_model_factory):

@@ -81,7 +81,12 @@ def test_engine_loads_default_model_q4_1_directly():
     layer = model.model.layers[3].mlp.down_proj
     assert layer.weight is None and layer.quant_method.name == "int4"
     dense = dict(GGUFFile(default_model_path()).iter_tensors())["model.layers.3.mlp.down_proj.weight"]
-    q, _, _ = quantize_groupwise_int4(dense)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    assert torch.equal(layer.int4_packed, packed)
+    q, scale, zero = quantize_groupwise_int4(dense)
+    if getattr(layer, "q4_tiles", None) is not None:      # AVX-512 VNNI: the tiles are the only copy
+        from tokenmill.quant.int4 import pack_q4_tiles
+        assert layer.int4_packed is None if hasattr(layer, "int4_packed") else True
+        assert torch.equal(layer.q4_tiles, pack_q4_tiles(q, scale, zero - 8.0 * scale))
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        assert torch.equal(layer.int4_packed, packed)
     assert model.lm_head.quant_method.name == "int8"     # tied head: an int8 copy of the Q8_0 embedding

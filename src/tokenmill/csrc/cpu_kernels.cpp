@@ -415,9 +415,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("decode_slots"), py::arg("decode_lens"));
   py::class_<LargeLinear>(m, "LargeLinear")
-      .def(py::init([](std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                       int64_t group_size) { return LargeLinear{kind, weight, scales, group_size}; }),
-           py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("group_size") = 0);
+      .def(py::init([](std::string kind, torch::Tensor weight) { return LargeLinear{kind, weight}; }),
+           py::arg("kind"), py::arg("weight"));
   py::class_<DecodeLinear>(m, "DecodeLinear")
       .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     int64_t, int64_t, LargeLinear>(),

@@ -5,8 +5,7 @@
 //
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
-// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN or PyTorch's int8/int4
-// kernels), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path
+// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path
 // runs.
 #include "decode_layer.h"
 
@@ -39,11 +38,7 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
       small_rows_(small_rows), large_(std::move(large)) {
   TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8", "DecodeLinear: unknown kind ", kind_);
   TORCH_CHECK(kind_ != "q8" || scales_.has_value(), "DecodeLinear: q8 needs its scales");
-  const std::string& lk = large_.kind;
-  TORCH_CHECK(lk.empty() || lk == "onednn" || lk == "int8pack" || lk == "int4pack",
-              "DecodeLinear: unknown large kind ", lk);
-  TORCH_CHECK(lk.empty() || lk == "onednn" || large_.scales.has_value(), "DecodeLinear: ", lk, " needs its scales");
-  TORCH_CHECK(lk != "int4pack" || large_.group_size > 0, "DecodeLinear: int4pack needs its group size");
+  TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn", "DecodeLinear: unknown large kind ", large_.kind);
 #ifndef TOKENMILL_GEMV_KERNELS
   TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
 #endif
@@ -56,14 +51,7 @@ int64_t DecodeLinear::max_rows() const {
 torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
   TORCH_CHECK(!large_.kind.empty(), "DecodeLinear: ", x.size(0), " rows but no kernel for more than ",
               small_rows_);
-  if (large_.kind == "onednn") return onednn_linear(x, large_.weight, bias_);
-  const torch::Tensor xc = x.to(large_.scales->scalar_type()).contiguous();
-  torch::Tensor y = large_.kind == "int8pack"
-                        ? at::_weight_int8pack_mm(xc, large_.weight, *large_.scales)
-                        : at::_weight_int4pack_mm_for_cpu(xc, large_.weight, large_.group_size, *large_.scales);
-  y = y.to(torch::kFloat32);
-  if (bias_.has_value()) y.add_(*bias_);
-  return y;
+  return onednn_linear(x, large_.weight, bias_);
 }
 
 torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {

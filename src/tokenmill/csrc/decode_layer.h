@@ -15,14 +15,11 @@ struct DecodeStep {
 };
 
 // The kernel a linear layer runs for steps of more than `small_rows` rows, as the per-op path's
-// QuantMethod.apply runs it: "onednn" (float32 weight reordered for oneDNN, bias fused), "int8pack"
-// (aten::_weight_int8pack_mm, scales [N]) or "int4pack" (aten::_weight_int4pack_mm_for_cpu, scales and
-// zeros [K/group, N, 2]); int kinds take activations in the scales' dtype and add the bias in float32.
+// QuantMethod.apply runs it: "onednn" (float32 weight reordered for oneDNN, bias fused). int8/int4 layers
+// run their tiles at every step size and need none.
 struct LargeLinear {
-  std::string kind;                // "" (none: steps above small_rows cannot run natively) or a kind above
+  std::string kind;                // "" (none: steps above small_rows cannot run natively) or "onednn"
   torch::Tensor weight;
-  c10::optional<torch::Tensor> scales;
-  int64_t group_size = 0;          // int4pack only
 };
 
 class DecodeLinear {

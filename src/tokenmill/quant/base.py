@@ -54,8 +54,8 @@ class QuantMethod:
         this layer's packed weights; None when `apply` is the only path."""
         return None
 
-    def large_kernel(self, layer: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None, int] | None:
-        """(kind, weight, scales, group_size) of the kernel `apply` runs, for csrc/decode_layer.h's
+    def large_kernel(self, layer: nn.Module) -> tuple[str, torch.Tensor] | None:
+        """(kind, weight) of the kernel `apply` runs for steps above tile_max_rows, for csrc/decode_layer.h's
         LargeLinear, which must compute exactly what `apply` does; None where it has no native twin."""
         return None
 

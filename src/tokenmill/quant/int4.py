@@ -9,9 +9,9 @@ Activations: as for int8, the kernel's vectorized path takes bfloat16 only (floa
 about 30x slower), so x, scale and zero are bfloat16 in the call; accumulation is float32 inside.
 Shapes: out_features a multiple of 16 and in_features a multiple of 32.
 
-Where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py) every step runs a second copy in
-their tile layout instead (`q4_tiles`, with Q4_1's float16 d and m = zero - 8 * scale per group; exact for
-GGUF Q4_1): 2-4x faster than the PyTorch kernel from 1 to 512 rows.
+Where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py) every step runs them instead, on
+the weight in their tile layout (`q4_tiles`, with Q4_1's float16 d and m = zero - 8 * scale per group;
+exact for GGUF Q4_1), the only copy then kept: 2-4x faster than the PyTorch kernel from 1 to 512 rows.
 """
 from __future__ import annotations
 
@@ -37,32 +37,39 @@ class Int4WeightOnlyMethod(QuantMethod):
                              f"[{layer.out_features}, {layer.in_features}] needs out_features a multiple "
                              f"of 16 and in_features a multiple of {GROUP_SIZE}")
 
+    def uses_tiles(self) -> bool:
+        """Whether every step runs the tile kernel (then no PyTorch copy is kept); in_features % 32 == 0
+        holds for every int4 layer (check_shape)."""
+        return self.compute_dtype == torch.bfloat16 and tile_kernels.kernels() is not None
+
     def process_weights_after_loading(self, layer) -> None:
-        if getattr(layer, "int4_packed", None) is None:       # not already filled from GGUF blocks
+        filled = getattr(layer, "int4_packed", None) is not None or getattr(layer, "q4_tiles", None) is not None
+        if not filled:                                                 # not already filled from GGUF blocks
             q, scale, zero = quantize_groupwise_int4(layer.weight.data)
             self.set_packed(layer, q, scale, zero)
         self.drop_float_weight(layer)
 
     def set_packed(self, layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """q [N, K] int 0..15; scale, zero [N, K/32] float32 in the kernel's convention."""
+        if self.uses_tiles():
+            layer.register_buffer("q4_tiles", pack_q4_tiles(q, scale, zero - 8.0 * scale), persistent=False)
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).to(self.compute_dtype).contiguous()  # [K/32, N, 2]
         layer.register_buffer("int4_packed", packed, persistent=False)              # [N, K/2] uint8
         layer.register_buffer("scales_and_zeros", sz, persistent=False)
-        if tile_kernels.kernels() is not None:                         # in_features % 32 == 0 (check_shape)
-            layer.register_buffer("q4_tiles", pack_q4_tiles(q, scale, zero - 8.0 * scale), persistent=False)
 
     def tile_kernel(self, layer):
         tiles = getattr(layer, "q4_tiles", None)
-        if tiles is None or self.compute_dtype != torch.bfloat16:    # float32 compute: the exact reference path
+        if tiles is None:
             return None
         gemv_q4, n = tile_kernels.kernels().gemv_q4, layer.out_features
         return tile_kernels.with_bias(lambda x: gemv_q4(x, tiles, n), layer.bias)
 
-    def large_kernel(self, layer):
-        return "int4pack", layer.int4_packed, layer.scales_and_zeros, GROUP_SIZE   # activations in sz's dtype
-
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "int4_packed", None) is None:
+            raise RuntimeError(f"int4 {layer.prefix or 'layer'}: only the tile kernel's copy exists, which "
+                               f"Linear.forward runs for every step")
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, layer.int4_packed, GROUP_SIZE,
                                                        layer.scales_and_zeros)      # [T, N]

@@ -8,9 +8,8 @@ Activations: the kernel's vectorized path (AVX2/AVX-512) exists for bfloat16 inp
 inputs it runs a scalar loop about 15x slower than float32 F.linear. So x is cast to bfloat16 for the
 call (it accumulates in float32) and the result cast back; compute_dtype=torch.float32 gives the exact,
 slow path (tests). Where the native tile kernels exist (AVX-512 VNNI) every step runs them instead
-(quant/tile_kernels.py: int8 activations per group of 32, integer dot products, 3-4x faster) on a second
-copy of the weight in its tile layout; the PyTorch copy stays for the reference mode and the native
-decoder layer's description (large_kernel).
+(quant/tile_kernels.py: int8 activations per group of 32, integer dot products, 3-4x faster) on the weight
+in their tile layout, and that is the only copy kept.
 """
 from __future__ import annotations
 
@@ -27,27 +26,33 @@ class Int8WeightOnlyMethod(QuantMethod):
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         self.compute_dtype = compute_dtype
 
+    def uses_tiles(self, layer) -> bool:
+        """Whether every step of this layer runs the tile kernel (then no PyTorch copy is kept)."""
+        return (self.compute_dtype == torch.bfloat16 and tile_kernels.kernels() is not None
+                and layer.in_features % 32 == 0)
+
     def process_weights_after_loading(self, layer) -> None:
         q, scale = quantize_per_channel_int8(layer.weight.data)
-        layer.register_buffer("qweight", q, persistent=False)                       # [N, K] int8
-        layer.register_buffer("scales", scale.to(self.compute_dtype), persistent=False)  # [N]
-        if tile_kernels.kernels() is not None and layer.in_features % 32 == 0:       # the tile kernel's copy
+        if self.uses_tiles(layer):
             tiles, padded_scales = pack_q8_tiles(q, scale)
             layer.register_buffer("q8_tiles", tiles, persistent=False)
             layer.register_buffer("q8_tile_scales", padded_scales, persistent=False)
+        else:
+            layer.register_buffer("qweight", q, persistent=False)                       # [N, K] int8
+            layer.register_buffer("scales", scale.to(self.compute_dtype), persistent=False)  # [N]
         self.drop_float_weight(layer)
 
     def tile_kernel(self, layer):
         tiles = getattr(layer, "q8_tiles", None)
-        if tiles is None or self.compute_dtype != torch.bfloat16:    # float32 compute: the exact reference path
+        if tiles is None:
             return None
         gemv_q8, scales, n = tile_kernels.kernels().gemv_q8, layer.q8_tile_scales, layer.out_features
         return tile_kernels.with_bias(lambda x: gemv_q8(x, tiles, scales, n), layer.bias)
 
-    def large_kernel(self, layer):
-        return "int8pack", layer.qweight, layer.scales, 0        # activations in the scales' dtype
-
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "qweight", None) is None:
+            raise RuntimeError(f"int8 {layer.prefix or 'layer'}: only the tile kernel's copy exists, which "
+                               f"Linear.forward runs for every step")
         xc = x.to(self.compute_dtype).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(xc, layer.qweight, layer.scales)      # [T, N]
         return self.add_bias(layer, y.float())

@@ -46,7 +46,7 @@ class UnquantizedMethod(QuantMethod):
 
     def large_kernel(self, layer):
         packed = getattr(layer, "_onednn_weight", None)
-        return None if packed is None else ("onednn", packed, None, 0)
+        return None if packed is None else ("onednn", packed)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and layer.weight is not None:
