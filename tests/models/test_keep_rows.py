@@ -12,7 +12,8 @@ from tokenmill.layers.attention import AttentionMetadata, SeqSpan
 
 def prefill(model, ids: list[int], keep_rows):
     n, slots = len(ids), torch.arange(len(ids))
-    return model(torch.tensor(ids), torch.arange(n), AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]), keep_rows)
+    meta = AttentionMetadata(slots, [SeqSpan(0, n, n, slots)])
+    return model(torch.tensor(ids), torch.arange(n), meta, keep_rows)
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", dict(tie_word_embeddings=True)),

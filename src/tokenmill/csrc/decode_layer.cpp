@@ -5,8 +5,8 @@
 //
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
-// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path
-// runs.
+// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs
+// the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,7 +20,8 @@ namespace {
 
 // oneDNN's linear over a reordered weight, the op UnquantizedMethod.apply calls from Python
 // (mkldnn::_linear_pointwise, registered by PyTorch: called through the dispatcher, boxed).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),

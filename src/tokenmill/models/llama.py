@@ -103,8 +103,8 @@ class LlamaModel(nn.Module):
         """After quantization and KV cache binding: build one native DecodeLayer per layer, which runs decode
         steps of up to `native_max_rows` rows with the same kernels as the per-op path, minus the Python
         between them: any number of rows where every linear layer's tiles take every step (int8, int4) or
-        its method names its large-step kernel (float32: oneDNN), else the tile kernels' limit. False (per-op path only) without the tile
-        kernels or for layers they cannot take (e.g. w8a8)."""
+        its method names its large-step kernel (float32: oneDNN), else the tile kernels' limit. False
+        (per-op path only) without the tile kernels or for layers they cannot take (e.g. w8a8)."""
         from tokenmill.quant import tile_kernels
         native = tile_kernels.kernels()
         if native is None:

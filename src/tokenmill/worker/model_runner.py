@@ -58,11 +58,12 @@ class ModelRunner:
         if sched_out.is_empty:
             return RunnerOutput({})
         inputs = build_step_inputs(sched_out, self.block_size)
+        # The last layer computes only the rows that sample (all rows' keys and values are cached anyway).
         sampled_rows = inputs.sample_rows
         if sampled_rows.numel() == inputs.input_ids.numel():     # every row samples (decodes): no selection
             sampled_rows = None
-        elif sampled_rows.numel() == 0:                          # nothing samples: still one row through the
-            sampled_rows = inputs.input_ids.new_zeros(1)         # layers, so every row's keys and values are cached
+        elif sampled_rows.numel() == 0:                          # nothing samples: keep one row rather than
+            sampled_rows = inputs.input_ids.new_zeros(1)         # run kernels on zero rows
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, sampled_rows)
         if not inputs.sample_request_idx:
             return RunnerOutput({})
