@@ -61,10 +61,7 @@ class Int4WeightOnlyMethod(QuantMethod):
 
     def tile_kernel(self, layer):
         tiles = getattr(layer, "q4_tiles", None)
-        if tiles is None:
-            return None
-        gemv_q4, n = tile_kernels.kernels().gemv_q4, layer.out_features
-        return tile_kernels.with_bias(lambda x: gemv_q4(x, tiles, n), layer.bias)
+        return None if tiles is None else tile_kernels.bind(layer, "gemv_q4", tiles)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "int4_packed", None) is None:

@@ -44,10 +44,7 @@ class Int8WeightOnlyMethod(QuantMethod):
 
     def tile_kernel(self, layer):
         tiles = getattr(layer, "q8_tiles", None)
-        if tiles is None:
-            return None
-        gemv_q8, scales, n = tile_kernels.kernels().gemv_q8, layer.q8_tile_scales, layer.out_features
-        return tile_kernels.with_bias(lambda x: gemv_q8(x, tiles, scales, n), layer.bias)
+        return None if tiles is None else tile_kernels.bind(layer, "gemv_q8", tiles, layer.q8_tile_scales)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "qweight", None) is None:

@@ -31,8 +31,9 @@ def kernels():
     return native if native is not None and hasattr(native, "gemv_q4") else None
 
 
-def with_bias(fn, bias: torch.Tensor | None):
-    """fn(x) -> y, plus the layer's bias (added in place) if it has one."""
+def bind(layer, kernel: str, *weights: torch.Tensor):
+    """x [T, in] -> native `kernel`(x, *weights, out_features) [T, out] plus the layer's bias (if any)."""
+    fn, n, bias = getattr(kernels(), kernel), layer.out_features, layer.bias
     if bias is None:
-        return fn
-    return lambda x: fn(x).add_(bias)
+        return lambda x: fn(x, *weights, n)
+    return lambda x: fn(x, *weights, n).add_(bias)

@@ -39,10 +39,7 @@ class UnquantizedMethod(QuantMethod):
 
     def tile_kernel(self, layer):
         tiles = getattr(layer, "f32_tiles", None)
-        if tiles is None:
-            return None
-        gemv_f32, n = tile_kernels.kernels().gemv_f32, layer.out_features
-        return tile_kernels.with_bias(lambda x: gemv_f32(x, tiles, n), layer.bias)
+        return None if tiles is None else tile_kernels.bind(layer, "gemv_f32", tiles)
 
     def large_kernel(self, layer):
         packed = getattr(layer, "_onednn_weight", None)
