@@ -84,7 +84,7 @@ def test_engine_loads_default_model_q4_1_directly():
     q, scale, zero = quantize_groupwise_int4(dense)
     if getattr(layer, "q4_tiles", None) is not None:      # AVX-512 VNNI: the tiles are the only copy
         from tokenmill.quant.int4 import pack_q4_tiles
-        assert layer.int4_packed is None if hasattr(layer, "int4_packed") else True
+        assert getattr(layer, "int4_packed", None) is None
         assert torch.equal(layer.q4_tiles, pack_q4_tiles(q, scale, zero - 8.0 * scale))
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)

@@ -59,6 +59,7 @@ class Linear(nn.Module):
             return None
         bias = None if self.bias is None else self.bias.data
         large = self.quant_method.large_kernel(self)
+        # kind "" = no kernel above tile_max_rows (its weight argument is unused)
         large = native.LargeLinear("", weight) if large is None else native.LargeLinear(*large)
         return native.DecodeLinear(kind, weight, scales, bias, self.out_features, self.tile_max_rows,
                                    large)
