@@ -140,6 +140,7 @@ class EngineConfig:
     attention_backend: str = "cpu"
     quantization: str | None = None          # None (checkpoint dtype), "int8", "int4", "w8a8"
     native_decode_layers: bool = True        # small decode steps: one native call per layer (decode_layer.cpp)
+    greedy_screen: bool = True               # greedy steps skip the float32 logits (layers/greedy_head.py)
 
 
 @dataclass
@@ -160,6 +161,7 @@ class EngineArgs:
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
     quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
     native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
+    greedy_screen: bool = True               # False: greedy steps compute every float32 logit (comparison)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +183,9 @@ class EngineArgs:
                        help="weight quantization of every linear layer (default: none, fp32)")
         g.add_argument("--no-native-decode-layers", dest="native_decode_layers", action="store_false",
                        help="run small decode steps op by op in Python instead of one native call per layer")
+        g.add_argument("--no-greedy-screen", dest="greedy_screen", action="store_false",
+                       help="greedy steps compute all float32 logits instead of a bfloat16 screen of the "
+                            "vocabulary with exact rechecks (same tokens)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -36,6 +36,7 @@ def capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
         return execute(sched_out)
 
     runner.sampler, runner.execute = sample, run
+    runner.greedy_head = None   # every step through the sampler, so every logits row is seen
     return captured
 
 

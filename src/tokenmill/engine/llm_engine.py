@@ -76,7 +76,7 @@ class LLMEngine:
             cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             seed=args.seed, attention_backend=args.attention_backend, quantization=args.quantization,
-            native_decode_layers=args.native_decode_layers)
+            native_decode_layers=args.native_decode_layers, greedy_screen=args.greedy_screen)
 
     def _log_startup(self) -> None:
         c = self.config

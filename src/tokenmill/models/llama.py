@@ -177,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
     def bind_native_decode(self) -> bool:
         return self.model.bind_native_decode()
 
+    def greedy_head_linear(self) -> Linear:
+        """The Linear whose logits' argmax is the greedy token (compute_logits adds nothing to it)."""
+        return self.lm_head
+
     def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (rows keep_rows only when given)."""
         return self.model(input_ids, positions, meta, keep_rows)

@@ -45,16 +45,21 @@ def apply_penalties(logits: torch.Tensor, metas: Sequence["SamplingMeta"]) -> No
         _apply_frequency_presence(logits, metas, freq_rows)
 
 
+def min_tokens_banned(meta: "SamplingMeta", vocab: int) -> list[int]:
+    """The token ids min_tokens masking sets to -inf for this row now (empty when it needs none). Ids
+    outside the vocabulary can never be sampled, so there is nothing to mask for them."""
+    if not needs_min_tokens_mask(meta):
+        return []
+    return sorted({int(t) for t in chain(meta.eos_token_ids, meta.params.stop_token_ids) if 0 <= t < vocab})
+
+
 def apply_min_tokens_mask(logits: torch.Tensor, metas: Sequence["SamplingMeta"]) -> None:
     """Set EOS and stop-token logits to -inf, in place, for rows still short of min_tokens."""
     vocab = logits.shape[1]
     rows: list[int] = []
     tokens: list[int] = []
     for i, meta in enumerate(metas):
-        if not needs_min_tokens_mask(meta):
-            continue
-        # Ids outside the vocabulary can never be sampled, so there is nothing to mask for them.
-        ids = {int(t) for t in chain(meta.eos_token_ids, meta.params.stop_token_ids) if 0 <= t < vocab}
+        ids = min_tokens_banned(meta, vocab)
         rows.extend([i] * len(ids))
         tokens.extend(ids)
     if rows:

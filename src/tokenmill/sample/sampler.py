@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from tokenmill.outputs import Logprob, TokenLogprobs
-from tokenmill.sample.penalties import (apply_min_tokens_mask, apply_penalties,
+from tokenmill.sample.penalties import (apply_min_tokens_mask, apply_penalties, min_tokens_banned,
                                         needs_min_tokens_mask, needs_penalties)
 from tokenmill.sample.truncation import (sample_inverse_cdf, scaled_probs_, truncation_thresholds,
                                          zero_below_)
@@ -175,6 +175,16 @@ def _is_plain_greedy(metas: Sequence[SamplingMeta]) -> bool:
     """True when argmax of the raw logits is the whole answer for every row."""
     return all(m.params.greedy and m.params.logprobs is None and not needs_penalties(m)
                and not needs_min_tokens_mask(m) for m in metas)
+
+
+def argmax_bans(metas: Sequence[SamplingMeta], vocab: int) -> list[list[int]] | None:
+    """When every row's token is the argmax of its raw logits over the tokens not banned (greedy, no
+    logprobs, no penalties; min_tokens masking bans EOS and stop ids), the banned ids per row; else None.
+    Lets a caller that can find such an argmax without the logits (layers/greedy_head.py) skip them: the
+    tokens __call__ gives, up to logits that tie within float32 rounding (exact ties: the lowest id)."""
+    if not all(m.params.greedy and m.params.logprobs is None and not needs_penalties(m) for m in metas):
+        return None
+    return [min_tokens_banned(m, vocab) for m in metas]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

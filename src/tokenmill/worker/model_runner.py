@@ -12,9 +12,10 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.layers.attention import get_backend
+from tokenmill.layers.greedy_head import GreedyHead
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant import get_quant_method, load_and_quantize
-from tokenmill.sample.sampler import Sampler, SamplingMeta
+from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
 from tokenmill.worker.input_batch import build_step_inputs
 
 
@@ -27,6 +28,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(config.model, config.cache.num_blocks)
         if config.native_decode_layers and hasattr(self.model, "bind_native_decode"):
             self.model.bind_native_decode()            # decode steps of a few rows in one native call per layer
+        self.greedy_head = None            # greedy steps' tokens without the float32 logits, where it applies
+        if config.greedy_screen and hasattr(self.model, "greedy_head_linear"):
+            self.greedy_head = GreedyHead.build(self.model.greedy_head_linear())
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
 
@@ -67,13 +71,28 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, sampled_rows)
         if not inputs.sample_request_idx:
             return RunnerOutput({})
-        logits = self.model.compute_logits(hidden)                           # [R, vocab] float32
         scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]
         metas = [self._sampling_meta(sr) for sr in scheduled]
+        tokens = self._screened_greedy(hidden, metas)
+        if tokens is not None:
+            return RunnerOutput({sr.request_id: [tok] for sr, tok in zip(scheduled, tokens)})
+        logits = self.model.compute_logits(hidden)                           # [R, vocab] float32
         out = self.sampler(logits, metas)
         sampled = {sr.request_id: [tok] for sr, tok in zip(scheduled, out.token_ids)}
         logprobs = {sr.request_id: [lp] for sr, lp in zip(scheduled, out.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs)
+
+    def _screened_greedy(self, hidden: torch.Tensor, metas: list[SamplingMeta]) -> list[int] | None:
+        """The step's tokens from the greedy head when every row is greedy without logprobs or penalties
+        (the sampler's argmax, see argmax_bans) and the head answers every row; else None (the caller
+        computes the logits)."""
+        if self.greedy_head is None:
+            return None
+        banned = argmax_bans(metas, self.greedy_head.vocab_size)
+        if banned is None:
+            return None
+        tokens = self.greedy_head(hidden, banned)
+        return None if bool((tokens < 0).any()) else tokens.tolist()
 
     def _sampling_meta(self, sr) -> SamplingMeta:
         gen = None

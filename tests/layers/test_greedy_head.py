@@ -1,0 +1,142 @@
+"""The greedy head (layers/greedy_head.py, csrc/greedy_head.cpp): greedy tokens from a float32 lm_head
+without its float32 logits. Checked against the argmax of float64 logits, on cases built to defeat the
+bfloat16 screen (exact ties, logits apart by far less than bfloat16 can tell, one huge hidden dimension,
+banned winners), and in the engine against the logits path on the same requests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.greedy_head import GreedyHead, pack_bf16_tiles, unpack_f32_tiles
+from tokenmill.quant.unquantized import pack_f32_tiles
+
+class _Head:
+    """The parts of a Linear that GreedyHead.build reads."""
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.f32_tiles, self.out_features, self.bias = pack_f32_tiles(weight), weight.shape[0], None
+
+
+def make_head(weight: torch.Tensor) -> GreedyHead:
+    head = GreedyHead.build(_Head(weight))
+    if head is None:
+        pytest.skip("the greedy head needs AVX-512 BF16 and the native kernels")
+    return head
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """argmax over the float64 logits with banned tokens at -inf (lowest index on ties)."""
+    logits = x.double() @ w.double().T
+    for row, ids in enumerate(banned):
+        logits[row, ids] = float("-inf")
+    return logits.argmax(dim=1)
+
+
+@pytest.mark.parametrize("n,k", [(1000, 64), (49152 // 8, 576), (17, 2), (33, 130)])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_matches_float64_argmax(n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    x[:, 0] = 60.0                          # one huge dimension, as the default model's final hidden states
+    head = make_head(w)
+    banned = [[] for _ in range(m)]
+    assert torch.equal(head(x, banned), reference(x, w, banned))
+    assert head.rows_screened == m and head.candidates_checked >= m
+
+
+def test_exact_ties_give_the_lowest_index():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=g)
+    w[250] = w[7] = w[123]                  # three identical rows: identical logits
+    x = w[123:124].clone() * 3              # ... and the largest ones
+    head = make_head(w)
+    assert head(x, [[]]).tolist() == [7]
+
+
+def test_differences_below_bfloat16_resolution_are_resolved_exactly():
+    """Rows equal in bfloat16 and apart by one float32 ulp in a single weight: the screen cannot tell them
+    apart, the double-precision recheck must."""
+    g = torch.Generator().manual_seed(2)
+    k = 96
+    w = torch.randn(500, k, generator=g) * 0.01
+    x = torch.rand(4, k, generator=g) + 1.0           # positive: a larger weight gives a larger logit
+    base = torch.rand(k, generator=g) + 1.0
+    for row, bump in [(10, 0), (20, 1), (30, 2), (40, 0)]:
+        w[row] = base
+        w[row, 5] = torch.nextafter(base[5], torch.tensor(10.0)) if bump else base[5]
+        if bump == 2:
+            w[row, 6] = torch.nextafter(base[6], torch.tensor(10.0))
+    rows = w[[10, 20, 30, 40]].bfloat16()
+    assert all(torch.equal(rows[0], r) for r in rows)           # the screen sees four equal rows
+    head = make_head(w)
+    tokens = head(x, [[] for _ in range(4)])
+    assert tokens.tolist() == [30] * 4 == reference(x, w, [[]] * 4).tolist()
+    assert head.candidates_checked >= 4 * 4          # all four near-equal rows rechecked in every row
+
+
+def test_banned_tokens_are_never_chosen():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(800, 64, generator=g) * 0.1
+    x = torch.randn(3, 64, generator=g)
+    head = make_head(w)
+    winners = reference(x, w, [[], [], []]).tolist()
+    banned = [[winners[0]], [], [winners[2], 799, 5000, -3]]   # out-of-vocabulary ids are ignored
+    tokens = head(x, banned)
+    assert tokens.tolist() == reference(x, w, [[winners[0]], [], [winners[2], 799]]).tolist()
+    assert tokens[0] != winners[0] and tokens[1] == winners[1] and tokens[2] != winners[2]
+
+
+def test_rows_without_a_screened_answer_get_minus_one():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 32, generator=g)
+    x = torch.randn(4, 32, generator=g)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    head = make_head(w)
+    tokens = head(x, [[], [], [], list(range(40))])    # row 3: every token banned
+    assert tokens[1:].tolist() == [-1, -1, -1]
+    assert tokens[0] == reference(x[:1], w, [[]])[0]
+
+
+def test_tile_layouts_round_trip():
+    w = torch.randn(37, 10)
+    assert torch.equal(unpack_f32_tiles(pack_f32_tiles(w), 37), w)
+    tiles = pack_bf16_tiles(w)                                   # [3, 5, 16, 2]
+    assert tiles.shape == (3, 5, 16, 2)
+    assert torch.equal(tiles[1, 2, 4], w[16 + 4, 4:6].bfloat16())
+    assert torch.equal(tiles[2, 0, 5:].float(), torch.zeros(11, 2))   # rows past N are zero
+
+
+def test_not_built_for_odd_inputs_or_bias():
+    w = torch.randn(20, 7)
+    assert GreedyHead.build(_Head(w)) is None
+    lin = _Head(torch.randn(20, 8))
+    lin.bias = torch.zeros(20)
+    assert GreedyHead.build(lin) is None
+
+
+PROMPTS = [[11, 220, 4890, 17, 9, 300, 5], [7, 8, 9], [1000, 2000, 3000, 4000, 5000], [42] * 20]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_tokens_match_the_logits_path(tiny_model_factory, tie):
+    """Greedy requests (with min_tokens masking EOS, as the benchmarks ask) give the same tokens with the
+    screen as through the logits and the sampler; requests it cannot answer (logprobs, sampling) still
+    take the logits path."""
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=tie)
+    outs = {}
+    for screen in (True, False):
+        llm = LLM(model_dir, greedy_screen=screen, kv_cache_memory_bytes=1 << 23, block_size=4,
+                  enable_prefix_caching=False)
+        head = llm.engine.core.runner.greedy_head
+        if screen and head is None:
+            pytest.skip("the greedy head needs AVX-512 BF16 and the native kernels")
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, ignore_eos=True)
+        outs[screen] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        if screen:
+            assert head.rows_screened == 12 * len(PROMPTS)
+            with_logprobs = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
+            llm.generate(PROMPTS[:1], with_logprobs)
+            assert head.rows_screened == 12 * len(PROMPTS)           # not screened: logprobs need logits
+    assert outs[True] == outs[False]
