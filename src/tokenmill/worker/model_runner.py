@@ -119,7 +119,9 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if dtype != torch.float32 or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)          # anonymous, zero-filled on first touch
+    # private: Python's default for anonymous maps is MAP_SHARED, i.e. shared memory, which gets no
+    # transparent huge pages unless the OS enables them for shmem too (usually off)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:                                       # a kernel built without transparent huge pages
