@@ -1,5 +1,6 @@
 """Where a step's time goes: torch.profiler over the offline workload's steps (default model, fp32),
-grouped by op, for a prefill-heavy phase and a decode-only phase. Prints tables; asserts nothing.
+grouped by op, for a prefill-heavy phase and a decode-only phase, and how many tokens per row the greedy
+head rechecked exactly. Prints tables; asserts nothing.
 
     .venv/bin/python benchmarks/profile_step.py [--num-requests 64] [--prompt-len 128] [--decode-steps 16]
 """
@@ -45,6 +46,10 @@ def main() -> None:
         times = [t for kind, t in steps if name.startswith(kind)]
         print(f"\n== {name}: {len(times)} steps, median {1000 * sorted(times)[len(times) // 2]:.1f} ms/step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    head = engine.core.runner.greedy_head
+    if head is not None and head.rows_screened:
+        print(f"greedy head: {head.rows_screened} rows answered without float32 logits, "
+              f"{head.candidates_checked / head.rows_screened:.2f} tokens rechecked exactly per row")
 
 
 if __name__ == "__main__":
