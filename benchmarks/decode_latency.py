@@ -5,7 +5,8 @@ fp32 / int8 / int4 / w8a8 (`LLM(quantization=...)`). Decode tok/s = (output toke
 last token - time of the first), so prefill is excluded; median of --runs. For each mode it also prints
 the bytes a decode step must read (every linear weight as packed, plus the mean KV cache read) and the
 bound those bytes give at the read bandwidth measured right before that mode's runs (the best of a sum
-and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved.
+and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved; where
+the greedy head reads a bfloat16 copy of a float32 lm_head instead, also the bound of the bytes read.
 --profile MODE prints where one run's time goes.
 
 With --llama-cpp PYTHON (the interpreter benchmarks/peers/llama_cpp_setup.sh prints), llama.cpp decodes
@@ -63,6 +64,15 @@ def linear_bytes(model) -> int:
         tensors = [getattr(m, n) for n in read] + ([m.bias] if m.bias is not None else [])
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
+
+
+def head_saving(runner) -> int:
+    """Bytes a greedy step reads less than linear_bytes counts: with the greedy head (layers/greedy_head.py)
+    the float32 lm_head's tiles are not read, its bfloat16 copy is (plus a few rows, not counted)."""
+    head = getattr(runner, "greedy_head", None)
+    if head is None:
+        return 0
+    return head.bf16_tiles.numel() * 2 - head.f32_tiles.numel() * 4
 
 
 def make_prompt(prompt_len: int, seed: int = 0) -> list[int]:
@@ -138,14 +148,20 @@ def main() -> None:
         llm = LLM(quantization=None if mode == "fp32" else mode, kv_cache_memory_bytes=1 << 27)
         cfg = llm.engine.config.model
         kv_mean = cfg.kv_bytes_per_token * (args.prompt_len + args.output_len / 2)
-        step_bytes = linear_bytes(llm.engine.core.runner.model) + kv_mean
+        runner = llm.engine.core.runner
+        step_bytes = linear_bytes(runner.model) + kv_mean
+        read_bytes = step_bytes + head_saving(runner)
         decode_tok_s(llm, prompt, 16)                                   # warm-up
         bandwidth = measure_read_bandwidth_gbs()
         rates = [decode_tok_s(llm, prompt, args.output_len) for _ in range(args.runs)]
         med, bound = statistics.median(rates), bandwidth * 1e9 / step_bytes
+        read_bound = bandwidth * 1e9 / read_bytes
         print(f"{mode:6s} {med:12.1f} {' '.join(f'{r:.1f}' for r in rates):>24s} {bandwidth:6.1f} "
               f"{step_bytes / 1e6:8.1f} {bound:11.1f} {med / bound:8.0%}" + (f" {med / peer:9.2f}x" if peer else ""),
               flush=True)
+        if read_bytes != step_bytes:
+            print(f"{'':6s} the greedy head reads its bfloat16 copy instead: {read_bytes / 1e6:.1f} MB/step, "
+                  f"bound {read_bound:.1f} tok/s, {med / read_bound:.0%} of it")
         if mode == args.profile:
             profile_run(llm, prompt, args.output_len)
         del llm
