@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.greedy_head import GreedyHead, pack_bf16_tiles, unpack_f32_tiles
+from tokenmill.layers.greedy_head import GreedyHead, bf16_tiles_from_f32_tiles
 from tokenmill.quant.unquantized import pack_f32_tiles
 
 class _Head:
@@ -99,13 +99,19 @@ def test_rows_without_a_screened_answer_get_minus_one():
     assert tokens[0] == reference(x[:1], w, [[]])[0]
 
 
-def test_tile_layouts_round_trip():
+def test_bf16_tile_layout():
     w = torch.randn(37, 10)
-    assert torch.equal(unpack_f32_tiles(pack_f32_tiles(w), 37), w)
-    tiles = pack_bf16_tiles(w)                                   # [3, 5, 16, 2]
+    tiles = bf16_tiles_from_f32_tiles(pack_f32_tiles(w))         # [3, 5, 16, 2]
     assert tiles.shape == (3, 5, 16, 2)
-    assert torch.equal(tiles[1, 2, 4], w[16 + 4, 4:6].bfloat16())
+    for block, pair, row in [(0, 0, 0), (1, 2, 4), (2, 4, 4), (0, 3, 15)]:
+        assert torch.equal(tiles[block, pair, row], w[16 * block + row, 2 * pair:2 * pair + 2].bfloat16())
     assert torch.equal(tiles[2, 0, 5:].float(), torch.zeros(11, 2))   # rows past N are zero
+
+
+def test_not_built_for_non_finite_weights():
+    w = torch.randn(20, 8)
+    w[3, 1] = float("inf")
+    assert GreedyHead.build(_Head(w)) is None
 
 
 def test_not_built_for_odd_inputs_or_bias():

@@ -13,7 +13,6 @@ with AVX-512 BF16; `GreedyHead.build` returns None otherwise and the caller comp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.layers import cpu_kernels
 
@@ -21,12 +20,10 @@ from tokenmill.layers import cpu_kernels
 class GreedyHead:
     """hidden [R, K] float32 -> greedy token per row (argmax of hidden @ W.T with banned tokens excluded)."""
 
-    def __init__(self, native, weight: torch.Tensor, f32_tiles: torch.Tensor) -> None:
-        n, k = weight.shape
-        self.native, self.vocab_size, self.f32_tiles = native, n, f32_tiles
-        self.bf16_tiles = pack_bf16_tiles(weight)                                 # [ceil(N/16), K/2, 16, 2]
-        norms = weight.double().norm(dim=1).float()
-        self.norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))  # upper bounds, float32
+    def __init__(self, native, f32_tiles: torch.Tensor, vocab_size: int, norms: torch.Tensor) -> None:
+        self.native, self.vocab_size, self.f32_tiles = native, vocab_size, f32_tiles
+        self.bf16_tiles = bf16_tiles_from_f32_tiles(f32_tiles)                    # [ceil(N/16), K/2, 16, 2]
+        self.norms = norms                                                         # [N] float32 upper bounds
         self._workspace = torch.empty(0)                                          # [R * N] float32, reused
         self.rows_screened = 0           # observability: rows answered, candidates rechecked in all
         self.candidates_checked = 0
@@ -36,12 +33,16 @@ class GreedyHead:
         """For a float32 Linear with tiles (quant/unquantized.py) on an AVX-512 BF16 build, else None."""
         native = cpu_kernels.load()
         tiles = getattr(lm_head, "f32_tiles", None)
-        if native is None or not hasattr(native, "greedy_head") or tiles is None or lm_head.bias is not None:
+        if native is None or not hasattr(native, "greedy_head") or tiles is None or lm_head.bias is not None \
+                or tiles.shape[1] % 2:
             return None
-        weight = unpack_f32_tiles(tiles, lm_head.out_features)
-        if weight.shape[1] % 2 or not bool(torch.isfinite(weight).all()):
-            return None
-        return GreedyHead(native, weight, tiles)
+        n = lm_head.out_features
+        norms = torch.linalg.vector_norm(tiles, dim=1, dtype=torch.float64).flatten()[:n]   # ||w_j||
+        if not bool(torch.isfinite(norms).all()):        # a weight not finite (float32 squares cannot overflow
+            return None                                   # a float64 sum)
+        norms = norms.float()
+        norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))    # rounded up: upper bounds
+        return GreedyHead(native, tiles, n, norms)
 
     def __call__(self, hidden: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
         """hidden [R, K] float32, banned: per row the token ids to exclude (min_tokens masking). Returns
@@ -64,16 +65,8 @@ class GreedyHead:
         return tokens
 
 
-def pack_bf16_tiles(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] float32 -> [ceil(N/16), K/2, 16, 2] bfloat16 (round to nearest even): input pair (2p, 2p+1)
-    of 16 rows side by side, rows past N zero."""
-    n, k = w.shape
-    blocks = (n + 15) // 16
-    w = F.pad(w, (0, 0, 0, blocks * 16 - n)).to(torch.bfloat16)
-    return w.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def unpack_f32_tiles(tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """[ceil(N/16), K, 16] (pack_f32_tiles) -> the weight [N, K] float32."""
+def bf16_tiles_from_f32_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """[ceil(N/16), K, 16] float32 tiles (quant/unquantized.py pack_f32_tiles) -> [ceil(N/16), K/2, 16, 2]
+    bfloat16 (round to nearest even): input pair (2p, 2p+1) of 16 rows side by side, rows past N zero."""
     blocks, k, _ = tiles.shape
-    return tiles.transpose(1, 2).reshape(blocks * 16, k)[:n]
+    return tiles.view(blocks, k // 2, 2, 16).transpose(2, 3).to(torch.bfloat16).contiguous()
