@@ -52,9 +52,8 @@ class GreedyHead:
         if self._workspace.numel() < rows * self.vocab_size:
             self._workspace = torch.empty(rows * self.vocab_size)
         width = max((len(b) for b in banned), default=0)
-        banned_ids = torch.full((rows, width), -1, dtype=torch.long)
-        for i, ids in enumerate(banned):
-            banned_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        banned_ids = torch.tensor([list(ids) + [-1] * (width - len(ids)) for ids in banned],  # [R, width]
+                                  dtype=torch.long).view(rows, width)                     # -1: padding
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         tokens, counts = self.native.greedy_head(hidden, self.bf16_tiles, self.f32_tiles, self.norms,
