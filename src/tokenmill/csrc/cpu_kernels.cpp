@@ -446,7 +446,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("greedy_head", &greedy_head,
           "exact argmax_j w_j . x per row: bfloat16 screen, double-precision recheck of the candidates; "
           "returns (tokens [M] int64, -1 where not screened; candidates checked [M] int64)",
-          py::arg("x"), py::arg("bf16_tiles"), py::arg("f32_tiles"), py::arg("norms"), py::arg("N"),
+          py::arg("x"), py::arg("bf16_tiles"), py::arg("f32_tiles"), py::arg("norms"), py::arg("norm_max"), py::arg("N"),
           py::arg("banned"), py::arg("workspace"));
 #endif
 }

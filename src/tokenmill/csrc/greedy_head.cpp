@@ -27,7 +27,8 @@
 //
 // bf16_tiles [ceil(N/16), K/2, 16, 2] bfloat16: input pair (2p, 2p+1) of 16 rows side by side, so one
 // `vdpbf16ps` against a broadcast pair of x adds two products to each of 16 rows. f32_tiles: gemv_f32's
-// tiles of the same weight (the exact values of the candidates). norms [N] float32: upper bounds of ||w_j||.
+// tiles of the same weight (the exact values of the candidates). norms [N] float32: upper bounds of ||w_j||;
+// norm_max: their maximum.
 #include "greedy_head.h"
 
 #ifdef TOKENMILL_GREEDY_HEAD
@@ -95,12 +96,12 @@ struct RowResult {
 };
 
 // Steps 2-4 for one row: y [N] its screen (banned entries already -inf), x [K] its hidden state.
-RowResult pick(const float* y, const float* x, const float* norms, float norm_max, const float* f32_tiles,
+RowResult pick(const float* y, const float* x, const float* norms, double norm_max, const float* f32_tiles,
                int64_t K, int64_t N) {
   double sq = 0.0;
   for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(x[k]) * x[k];
   const double xn = std::sqrt(sq);
-  if (!std::isfinite(xn) || static_cast<double>(norm_max) * xn > 1e37) return {-1, 0};
+  if (!std::isfinite(xn) || norm_max * xn > 1e37) return {-1, 0};
   const double u = std::ldexp(1.0, -8), g = K * std::ldexp(1.0, -24) / (1.0 - K * std::ldexp(1.0, -24));
   const double c = 1.01 * (2 * u + u * u + g * (1 + u) * (1 + u));
   const double tiny = std::ldexp(1.0, -120), root_k = std::sqrt(static_cast<double>(K));
@@ -139,8 +140,8 @@ RowResult pick(const float* y, const float* x, const float* norms, float norm_ma
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor bf16_tiles,
-                                                     torch::Tensor f32_tiles, torch::Tensor norms, int64_t N,
-                                                     torch::Tensor banned, torch::Tensor workspace) {
+                                                     torch::Tensor f32_tiles, torch::Tensor norms, double norm_max,
+                                                     int64_t N, torch::Tensor banned, torch::Tensor workspace) {
   const int64_t blocks = (N + 15) / 16;
   TORCH_CHECK(f32_tiles.scalar_type() == torch::kFloat32 && f32_tiles.dim() == 3 && f32_tiles.is_contiguous() &&
                   f32_tiles.size(0) == blocks && f32_tiles.size(2) == 16,
@@ -173,7 +174,6 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   int64_t* cp = counts.data_ptr<int64_t>();
   const int64_t* bp = banned.data_ptr<int64_t>();
   const float* np_ = norms.data_ptr<float>();
-  const float norm_max = norms.max().item<float>();
   const float* xf = x.data_ptr<float>();
   const float* ft = f32_tiles.data_ptr<float>();
   const int64_t B = banned.size(1), ldx = x.stride(0);

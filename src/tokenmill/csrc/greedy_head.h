@@ -11,6 +11,6 @@
 #if defined(TOKENMILL_GEMV_KERNELS) && defined(__AVX512BF16__)
 #define TOKENMILL_GREEDY_HEAD 1
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor bf16_tiles,
-                                                     torch::Tensor f32_tiles, torch::Tensor norms, int64_t N,
-                                                     torch::Tensor banned, torch::Tensor workspace);
+                                                     torch::Tensor f32_tiles, torch::Tensor norms, double norm_max,
+                                                     int64_t N, torch::Tensor banned, torch::Tensor workspace);
 #endif

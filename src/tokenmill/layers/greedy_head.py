@@ -24,6 +24,7 @@ class GreedyHead:
         self.native, self.vocab_size, self.f32_tiles = native, vocab_size, f32_tiles
         self.bf16_tiles = bf16_tiles_from_f32_tiles(f32_tiles)                    # [ceil(N/16), K/2, 16, 2]
         self.norms = norms                                                         # [N] float32 upper bounds
+        self.norm_max = float(norms.max())
         self._workspace = torch.empty(0)                                          # [R * N] float32, reused
         self.rows_screened = 0           # observability: rows answered, candidates rechecked in all
         self.candidates_checked = 0
@@ -57,7 +58,7 @@ class GreedyHead:
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         tokens, counts = self.native.greedy_head(hidden, self.bf16_tiles, self.f32_tiles, self.norms,
-                                                 self.vocab_size, banned_ids, self._workspace)
+                                                 self.norm_max, self.vocab_size, banned_ids, self._workspace)
         answered = tokens >= 0
         self.rows_screened += int(answered.sum())
         self.candidates_checked += int(counts.sum())
