@@ -103,28 +103,19 @@ class ModelRunner:
         return SamplingMeta(sr.params, gen, sr.prompt_token_ids, sr.output_token_ids, sr.eos_token_ids)
 
 
-HUGE_PAGE = 2 << 20
-
-
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose pages the OS provides on first touch, so a large pool costs nothing at start-up. Zero,
     not garbage: padded attention reads must see finite values.
 
-    On the CPU the pool is an anonymous mapping, advised for transparent huge pages. Python maps it shared
-    (shmem), so on Linux it gets them only where shmem huge pages are enabled (usually not: 4 KiB pages).
-    A private mapping does get them; measured on the project's machine kind (offline workload, 2 runs
-    each): no faster in steady state, and the first run 1-2 s slower (huge-page faults and zeroing), so
-    the pool stays shared. Elsewhere, or for other dtypes, plain zeros."""
+    On the CPU the pool is an anonymous mapping (Python maps it shared: 4 KiB pages on Linux). Transparent
+    huge pages (a private mapping advised for them) were measured on the project's machine kind (offline
+    workload, 2 runs each): no faster in steady state, and the first run 1-2 s slower (huge-page faults
+    and zeroing), so none are asked for. Other dtypes: plain zeros."""
     import mmap
     import numpy as np
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if dtype != torch.float32 or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+    if dtype != torch.float32:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)          # anonymous, shared, zero-filled on first touch
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:                                       # a kernel built without transparent huge pages
-        pass
-    raw = np.frombuffer(region, dtype=np.uint8)           # keeps `region` alive as long as the tensor
-    start = -raw.ctypes.data % HUGE_PAGE                  # huge pages need 2 MiB-aligned addresses
-    return torch.from_numpy(raw[start:start + nbytes].view(np.float32).reshape(shape))
+    count = int(np.prod(shape))
+    region = mmap.mmap(-1, max(4 * count, 1))             # anonymous, zero-filled on first touch
+    raw = np.frombuffer(region, dtype=np.float32, count=count)   # keeps `region` alive as long as the tensor
+    return torch.from_numpy(raw.reshape(shape))
