@@ -124,3 +124,54 @@ def test_native_rms_norm_matches_torch_and_updates_the_residual_in_place():
     assert new_residual is residual and torch.equal(residual, total)
     torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (96,), norm.weight, 1e-5),
                                rtol=1e-6, atol=1e-6)
+
+
+def prefill_step(chunks: list[tuple[int, int]], kv_heads: int, group: int, head_dim: int, seed: int = 0):
+    """A step of prefill chunks (start position, new tokens) plus one decode, over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    chunks = chunks + [(17, 1)]
+    num_blocks = sum(-(-(s + n) // BLOCK) for s, n in chunks) + 4
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    scheduled, used = [], 0
+    for i, (start, n) in enumerate(chunks):
+        nb = -(-(start + n) // BLOCK)
+        blocks, used = perm[used:used + nb], used + nb
+        scheduled.append(ScheduledRequest(str(i), [1] * n, start, blocks, True, SamplingParams(), [], [], []))
+    meta = build_step_inputs(SchedulerOutput(scheduled), BLOCK).meta
+    t = sum(n for _, n in chunks)
+    shape = (kv_heads, num_blocks * BLOCK, head_dim)
+    return (torch.randn(t, kv_heads * group, head_dim, generator=g), torch.randn(t, kv_heads, head_dim, generator=g),
+            torch.randn(t, kv_heads, head_dim, generator=g), torch.randn(*shape, generator=g),
+            torch.randn(*shape, generator=g), meta)
+
+
+@pytest.mark.parametrize("chunks", [[(0, 2)], [(0, 130)], [(0, 33), (64, 31), (5, 97)], [(200, 70), (0, 128)]])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 4)])
+def test_native_prefill_kernel_matches_the_reference(chunks, head_dim, kv_heads, group, monkeypatch):
+    """csrc/prefill_attention.cpp: prompts starting at 0 and continuation chunks, query blocks of 32 and key
+    steps of 32 crossed, grouped-query heads, one call for all of a step's chunks."""
+    q, k, v, kc, vc, meta = prefill_step(chunks, kv_heads, group, head_dim, seed=len(chunks) + head_dim)
+    scale = head_dim ** -0.5
+    ref = get_backend("reference").forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    fast = get_backend("cpu")
+    assert meta.prefill_spans.tolist() == [[s.query_start, s.query_len, s.context_len] for s in meta.seqs[:-1]]
+    calls, real = [], fast.native.prefill_attention
+    monkeypatch.setattr(fast.native, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    out = fast.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    assert calls == [1]
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_native_prefill_kernel_rejects_bad_tables():
+    native = cpu_kernels.load()
+    q, kc = torch.randn(4, 3, 64), torch.randn(1, 16, 64)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="request 0 has rows 2\\+4"):
+        native.prefill_attention(q, kc, kc, torch.tensor([[2, 4, 4]]), torch.zeros(1, 4, dtype=torch.long), 0.1, out)
+    with pytest.raises(RuntimeError, match="slot 16 out of range"):
+        native.prefill_attention(q, kc, kc, torch.tensor([[0, 4, 4]]), torch.tensor([[0, 1, 2, 16]]), 0.1, out)
+    with pytest.raises(RuntimeError, match="D 64 or 128"):
+        native.prefill_attention(torch.randn(4, 3, 32), torch.randn(1, 16, 32), torch.randn(1, 16, 32),
+                                 torch.tensor([[0, 4, 4]]), torch.zeros(1, 4, dtype=torch.long), 0.1,
+                                 torch.empty(4, 3, 32))

@@ -17,6 +17,7 @@
 #include "decode_layer.h"
 #include "gemv_kernels.h"
 #include "greedy_head.h"
+#include "prefill_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -24,28 +25,13 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "simd_math.h"
 #endif
 
 namespace {
 
 #if defined(__AVX512F__)
-// exp(x) for 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, |f| <= 0.5;
-// relative error about 2e-7. Inputs below -87 are taken as -87 (exp = 1.6e-38); above 88.7 give inf.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));   // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Positions prefetched ahead: K/V rows come from DRAM in blocks scattered over the cache. Into L2
 // (prefetcht2), not L1: measured on the project's machine kind, 30 layers x 64 requests at context 192 took
 // 22-25 ms where prefetches into L1 (prefetcht0, 24 ahead) took 30-32 (the L1's few outstanding misses
@@ -412,6 +398,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of prefill chunks from the paged cache, into out's rows (CPU, float32)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"), py::arg("slots"), py::arg("scale"), py::arg("out"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU, float32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   py::class_<DecodeStep>(m, "DecodeStep")

@@ -1,5 +1,6 @@
 """Native CPU kernels, built on first use with torch.utils.cpp_extension and cached on disk:
 csrc/cpu_kernels.cpp (paged decode attention, KV cache write, rotary, SwiGLU, RMSNorm),
+csrc/prefill_attention.cpp (causal attention of prefill chunks from the paged cache),
 csrc/gemv_kernels.cpp (tiled float32 / int8 / int4 linear layers), csrc/decode_layer.cpp
 (a decoder layer for small decode steps, chaining those kernels in one call) and csrc/greedy_head.cpp
 (exact greedy tokens from a float32 lm_head without its float32 logits).
@@ -18,9 +19,10 @@ import os
 logger = logging.getLogger("tokenmill")
 CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp", "decode_layer.cpp",
-                                                     "greedy_head.cpp")]
+                                                     "greedy_head.cpp", "prefill_attention.cpp")]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h",
-                                                     "greedy_head.h", "tile_loop.h")]
+                                                     "greedy_head.h", "tile_loop.h", "prefill_attention.h",
+                                                     "simd_math.h")]
 
 
 def _cpu_tag() -> str:

@@ -44,6 +44,8 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
     meta = AttentionMetadata(slot_mapping=slot_mapping, seqs=spans)
     if decode_rows:
         _add_decode_tables(meta, spans, decode_rows, decode_idx)
+    if len(decode_rows) < len(spans):
+        _add_prefill_tables(meta, [s for s in spans if s.query_len > 1])
     return StepInputs(torch.tensor(ids, dtype=torch.long), pos, meta,
                       torch.tensor(sample_rows, dtype=torch.long), sample_idx)
 
@@ -68,3 +70,12 @@ def _add_decode_tables(meta: AttentionMetadata, spans, decode_rows, decode_idx) 
     meta.decode_lens = torch.tensor(lens, dtype=torch.long)
     meta.decode_slots = slots
     meta.decode_mask = mask.view(len(decode_idx), 1, max_len)
+
+
+def _add_prefill_tables(meta: AttentionMetadata, prefills: list[SeqSpan]) -> None:
+    slots = torch.zeros(len(prefills), max(s.context_len for s in prefills), dtype=torch.long)
+    for r, s in enumerate(prefills):
+        slots[r, :s.context_len] = s.context_slots
+    meta.prefill_spans = torch.tensor([[s.query_start, s.query_len, s.context_len] for s in prefills],
+                                      dtype=torch.long).view(len(prefills), 3)
+    meta.prefill_slots = slots

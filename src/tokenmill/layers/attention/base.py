@@ -30,6 +30,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None   # [num_decodes, max_context] int64, padded with slot 0
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_context] float32: 0, or -inf for padding
     decode_lens: torch.Tensor | None = None    # [num_decodes] int64 context lengths
+    # multi-token queries (prefill chunks), batched for native kernels; None when there are none
+    prefill_spans: torch.Tensor | None = None  # [P, 3] int64: query_start, query_len, context_len of each
+    prefill_slots: torch.Tensor | None = None  # [P, max_context] int64 context slots, padded with slot 0
 
 
 class AttentionBackend:

@@ -1,7 +1,8 @@
 """Fast CPU paged attention. Single-token queries (decodes): a native kernel that reads keys and values in
-place from the paged cache (csrc/paged_attention_cpu.cpp), or, without a compiler, one batched matmul pair
-over one gather of their context. Prefill chunks: torch's scaled_dot_product_attention (causal, reading no
-cache at all when the chunk starts at position 0)."""
+place from the paged cache (csrc/cpu_kernels.cpp), or, without a compiler, one batched matmul pair over one
+gather of their context. Prefill chunks: a native causal kernel over the paged cache, every chunk of the
+step in one call (csrc/prefill_attention.cpp, float32, head dim 64 or 128), else torch's
+scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0)."""
 from __future__ import annotations
 
 import torch
@@ -28,11 +29,22 @@ class CPUAttention(AttentionBackend):
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode_any(q[meta.decode_rows], k_cache, v_cache, meta, scale)
-        for s in meta.seqs:
-            if s.query_len > 1 or meta.decode_rows is None:
+        prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
+        if self._native_prefill(q, prefills, meta):
+            self.native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots,
+                                          scale, out)
+        else:
+            for s in prefills:
                 rows = slice(s.query_start, s.query_start + s.query_len)
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, s, scale)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _native_prefill(self, q, prefills, meta: AttentionMetadata) -> bool:
+        """Whether the native kernel takes this step's prefill chunks: float32 on an AVX-512 build with a head
+        dim it has, and the step's prefill tables list exactly these chunks."""
+        return bool(prefills) and self.native is not None and q.dtype == torch.float32 \
+            and self.native.prefill_attention_supports(q.shape[-1]) and meta.prefill_spans is not None \
+            and meta.prefill_spans.shape[0] == len(prefills)
 
     def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.native is not None and q.dtype == torch.float32:
