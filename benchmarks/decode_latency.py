@@ -6,7 +6,7 @@ last token - time of the first), so prefill is excluded; median of --runs. For e
 the bytes a decode step must read (every linear weight as packed, plus the mean KV cache read) and the
 bound those bytes give at the read bandwidth measured right before that mode's runs (the best of a sum
 and a matrix-vector product over 512 MiB, same threads), and the fraction of that bound achieved; where
-the greedy head reads a bfloat16 copy of a float32 lm_head instead, also the bound of the bytes read.
+the greedy head reads an int8 copy of a float32 lm_head instead, also the bound of the bytes read.
 --profile MODE prints where one run's time goes.
 
 With --llama-cpp PYTHON (the interpreter benchmarks/peers/llama_cpp_setup.sh prints), llama.cpp decodes
@@ -68,11 +68,14 @@ def linear_bytes(model) -> int:
 
 def head_saving(runner) -> int:
     """Bytes a greedy step reads less than linear_bytes counts: with the greedy head (layers/greedy_head.py)
-    the float32 lm_head's tiles are not read, its bfloat16 copy is (plus a few rows, not counted)."""
+    the float32 lm_head's tiles are not read; its int8 copy is, plus one 64-byte line of the float32 tiles
+    per 16 rows and split-off input (SCREEN_OUTLIERS of them), plus the rechecked rows (a few, not counted)."""
+    from tokenmill.layers.greedy_head import SCREEN_OUTLIERS
     head = getattr(runner, "greedy_head", None)
     if head is None:
         return 0
-    return head.bf16_tiles.numel() * 2 - head.f32_tiles.numel() * 4
+    blocks = head.f32_tiles.shape[0]
+    return head.screen.tiles.numel() + SCREEN_OUTLIERS * blocks * 64 - head.f32_tiles.numel() * 4
 
 
 def make_prompt(prompt_len: int, seed: int = 0) -> list[int]:
@@ -160,7 +163,7 @@ def main() -> None:
               f"{step_bytes / 1e6:8.1f} {bound:11.1f} {med / bound:8.0%}" + (f" {med / peer:9.2f}x" if peer else ""),
               flush=True)
         if read_bytes != step_bytes:
-            print(f"{'':6s} the greedy head reads its bfloat16 copy instead: {read_bytes / 1e6:.1f} MB/step, "
+            print(f"{'':6s} the greedy head reads its int8 copy instead: {read_bytes / 1e6:.1f} MB/step, "
                   f"bound {read_bound:.1f} tok/s, {med / read_bound:.0%} of it")
         if mode == args.profile:
             profile_run(llm, prompt, args.output_len)

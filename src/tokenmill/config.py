@@ -184,7 +184,7 @@ class EngineArgs:
         g.add_argument("--no-native-decode-layers", dest="native_decode_layers", action="store_false",
                        help="run small decode steps op by op in Python instead of one native call per layer")
         g.add_argument("--no-greedy-screen", dest="greedy_screen", action="store_false",
-                       help="greedy steps compute all float32 logits instead of a bfloat16 screen of the "
+                       help="greedy steps compute all float32 logits instead of an int8 screen of the "
                             "vocabulary with exact rechecks (same tokens)")
 
     @classmethod

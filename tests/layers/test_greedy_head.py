@@ -1,6 +1,6 @@
 """The greedy head (layers/greedy_head.py, csrc/greedy_head.cpp): greedy tokens from a float32 lm_head
 without its float32 logits. Checked against the argmax of float64 logits, on cases built to defeat the
-bfloat16 screen (exact ties, logits apart by far less than bfloat16 can tell, one huge hidden dimension,
+int8 screen (exact ties, logits apart by far less than int8 or bfloat16 can tell, huge hidden dimensions,
 banned winners), and in the engine against the logits path on the same requests."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.greedy_head import GreedyHead, bf16_tiles_from_f32_tiles
+from tokenmill.layers.greedy_head import GreedyHead, Int8Screen
 from tokenmill.quant.unquantized import pack_f32_tiles
 
 class _Head:
@@ -20,7 +20,7 @@ class _Head:
 def make_head(weight: torch.Tensor) -> GreedyHead:
     head = GreedyHead.build(_Head(weight))
     if head is None:
-        pytest.skip("the greedy head needs AVX-512 BF16 and the native kernels")
+        pytest.skip("the greedy head needs AVX-512 VNNI and the native kernels")
     return head
 
 
@@ -34,11 +34,13 @@ def reference(x: torch.Tensor, w: torch.Tensor, banned: list[list[int]]) -> torc
 
 @pytest.mark.parametrize("n,k", [(1000, 64), (49152 // 8, 576), (17, 2), (33, 130)])
 @pytest.mark.parametrize("m", [1, 5, 64])
-def test_matches_float64_argmax(n, k, m):
-    g = torch.Generator().manual_seed(n + k + m)
+@pytest.mark.parametrize("huge", [1, 40])     # the default model's hidden states have one; 40 > the split's 24
+def test_matches_float64_argmax(n, k, m, huge):
+    g = torch.Generator().manual_seed(n + k + m + huge)
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(m, k, generator=g)
-    x[:, 0] = 60.0                          # one huge dimension, as the default model's final hidden states
+    dims = torch.randperm(k, generator=g)[:huge]
+    x[:, dims] = 60.0 * torch.sign(torch.randn(m, len(dims), generator=g))
     head = make_head(w)
     banned = [[] for _ in range(m)]
     assert torch.equal(head(x, banned), reference(x, w, banned))
@@ -99,13 +101,23 @@ def test_rows_without_a_screened_answer_get_minus_one():
     assert tokens[0] == reference(x[:1], w, [[]])[0]
 
 
-def test_bf16_tile_layout():
-    w = torch.randn(37, 10)
-    tiles = bf16_tiles_from_f32_tiles(pack_f32_tiles(w))         # [3, 5, 16, 2]
-    assert tiles.shape == (3, 5, 16, 2)
-    for block, pair, row in [(0, 0, 0), (1, 2, 4), (2, 4, 4), (0, 3, 15)]:
-        assert torch.equal(tiles[block, pair, row], w[16 * block + row, 2 * pair:2 * pair + 2].bfloat16())
-    assert torch.equal(tiles[2, 0, 5:].float(), torch.zeros(11, 2))   # rows past N are zero
+def test_int8_screen_layout_and_error_norms():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 10, generator=g)
+    w[4] = 0.0                                                    # a zero row: scale 1, no error
+    sc = Int8Screen.from_f32_tiles(pack_f32_tiles(w), 37, rows_per_pass=8)
+    assert sc.tiles.shape == (3, 3, 64) and sc.scales.shape == sc.qsums.shape == (48,)
+    q = torch.round(w.double() / sc.scales[:37, None].double()).clamp(-127, 127)
+    for block, quad, row in [(0, 0, 0), (1, 2, 4), (2, 1, 4), (0, 1, 15)]:
+        got = sc.tiles[block, quad, 4 * row:4 * row + 4].tolist()
+        want = q[16 * block + row, 4 * quad:4 * quad + 4].tolist() + [0] * 4   # inputs past K are zero
+        assert got == [int(v) for v in want[:4]]
+    assert torch.equal(sc.tiles[2, :, 4 * 5:].float(), torch.zeros(3, 44))    # rows past N are zero
+    assert torch.equal(sc.qsums[:37], q.sum(dim=1).int()) and not sc.qsums[37:].any()
+    assert sc.scales[4] == 1.0 and sc.err_norms[4] < 1e-30
+    err = (w.double() - sc.scales[:37, None].double() * q).norm(dim=1)
+    assert bool((sc.err_norms.double() >= err).all()) and bool((sc.norms.double() >= w.double().norm(dim=1)).all())
+    assert bool((err <= sc.scales[:37].double() / 2 * 10 ** 0.5 * 1.0001).all())   # |e_jk| <= s_j / 2
 
 
 def test_not_built_for_non_finite_weights():
@@ -114,9 +126,7 @@ def test_not_built_for_non_finite_weights():
     assert GreedyHead.build(_Head(w)) is None
 
 
-def test_not_built_for_odd_inputs_or_bias():
-    w = torch.randn(20, 7)
-    assert GreedyHead.build(_Head(w)) is None
+def test_not_built_for_a_head_with_bias():
     lin = _Head(torch.randn(20, 8))
     lin.bias = torch.zeros(20)
     assert GreedyHead.build(lin) is None
@@ -137,7 +147,7 @@ def test_engine_tokens_match_the_logits_path(tiny_model_factory, tie):
                   enable_prefix_caching=False)
         head = llm.engine.core.runner.greedy_head
         if screen and head is None:
-            pytest.skip("the greedy head needs AVX-512 BF16 and the native kernels")
+            pytest.skip("the greedy head needs AVX-512 VNNI and the native kernels")
         greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, ignore_eos=True)
         outs[screen] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         if screen:

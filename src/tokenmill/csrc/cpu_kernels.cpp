@@ -432,11 +432,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv_q4", &gemv_q4, "x @ (d * q4 + m)^T, q4 tiles of 16 rows x 32 inputs (CPU)", py::arg("x"),
           py::arg("q"), py::arg("N"));
 #endif
-#ifdef TOKENMILL_GREEDY_HEAD   // AVX-512 BF16 builds only; Python checks hasattr(module, "greedy_head")
+#ifdef TOKENMILL_GREEDY_HEAD   // AVX-512 VNNI builds only; Python checks hasattr(module, "greedy_head")
     m.def("greedy_head", &greedy_head,
-          "exact argmax_j w_j . x per row: bfloat16 screen, double-precision recheck of the candidates; "
-          "returns (tokens [M] int64, -1 where not screened; candidates checked [M] int64)",
-          py::arg("x"), py::arg("bf16_tiles"), py::arg("f32_tiles"), py::arg("norms"), py::arg("norm_max"), py::arg("N"),
+          "exact argmax_j w_j . x per row: int8 screen with the largest inputs apart, double-precision recheck of "
+          "the candidates; returns (tokens [M] int64, -1 where not screened; candidates checked [M] int64)",
+          py::arg("x"), py::arg("q8_tiles"), py::arg("scales"), py::arg("qsums"), py::arg("f32_tiles"), py::arg("norms"),
+          py::arg("err_norms"), py::arg("norm_max"), py::arg("N"),
           py::arg("banned"), py::arg("workspace"));
 #endif
 }
