@@ -22,7 +22,8 @@ class StepInputs:
 def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs:
     ids: list[int] = []
     positions: list[int] = []
-    spans: list[SeqSpan] = []
+    rows: list[tuple[int, int, int]] = []        # (first row, new tokens, context length) per request
+    tables: list[list[int]] = []                 # each request's blocks holding its context
     sample_rows: list[int] = []
     sample_idx: list[int] = []
     decode_rows: list[int] = []
@@ -32,44 +33,48 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
         row = len(ids)
         ids.extend(sr.token_ids)
         positions.extend(range(start, start + n))
-        spans.append(SeqSpan(row, n, start + n, _context_slots(sr.block_ids, start + n, block_size)))
+        rows.append((row, n, start + n))
+        tables.append(sr.block_ids[:-(-(start + n) // block_size)])
         if sr.sample:
             sample_rows.append(row + n - 1)
             sample_idx.append(i)
         if n == 1:
             decode_rows.append(row)
             decode_idx.append(i)
-    pos = torch.tensor(positions, dtype=torch.long)
-    slot_mapping = torch.cat([s.context_slots[s.context_len - s.query_len:] for s in spans])
+    slots = _slot_table(tables, block_size)      # [requests, most blocks * block_size]
+    spans = [SeqSpan(row, n, ctx, slots[i, :ctx]) for i, (row, n, ctx) in enumerate(rows)]
+    if len(decode_rows) == len(spans):           # decodes only: each request's last context slot
+        lens = torch.tensor([ctx for _, _, ctx in rows], dtype=torch.long)
+        slot_mapping = slots.gather(1, (lens - 1).unsqueeze(1)).view(-1)
+    else:
+        slot_mapping = torch.cat([s.context_slots[s.context_len - s.query_len:] for s in spans])
     meta = AttentionMetadata(slot_mapping=slot_mapping, seqs=spans)
     if decode_rows:
-        _add_decode_tables(meta, spans, decode_rows, decode_idx)
+        _add_decode_tables(meta, spans, slots, decode_rows, decode_idx)
     if len(decode_rows) < len(spans):
         _add_prefill_tables(meta, [s for s in spans if s.query_len > 1])
-    return StepInputs(torch.tensor(ids, dtype=torch.long), pos, meta,
+    return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                       torch.tensor(sample_rows, dtype=torch.long), sample_idx)
 
 
-def _context_slots(block_ids: list[int], context_len: int, block_size: int) -> torch.Tensor:
-    """[context_len] cache slots of positions 0..context_len-1."""
-    num_blocks = -(-context_len // block_size)
-    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
-    slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
-    return slots[:context_len]
+def _slot_table(tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """Block tables -> [requests, most blocks * block_size] int64 cache slots of positions 0.. of each request
+    (rows past a request's blocks hold block 0's slots: valid, never attended to). One tensor op for the
+    step, not one per request."""
+    width = max(len(t) for t in tables)
+    blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return (blocks.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(tables), width * block_size)
 
 
-def _add_decode_tables(meta: AttentionMetadata, spans, decode_rows, decode_idx) -> None:
-    lens = [spans[i].context_len for i in decode_idx]
-    max_len = max(lens)
-    slots = torch.zeros(len(decode_idx), max_len, dtype=torch.long)
-    for r, i in enumerate(decode_idx):
-        slots[r, :lens[r]] = spans[i].context_slots
-    pad = torch.arange(max_len).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)   # [R, L] True = padding
-    mask = torch.zeros(len(decode_idx), max_len).masked_fill_(pad, float("-inf"))
+def _add_decode_tables(meta: AttentionMetadata, spans, slots: torch.Tensor, decode_rows, decode_idx) -> None:
+    lens = torch.tensor([spans[i].context_len for i in decode_idx], dtype=torch.long)
+    max_len = int(lens.max())
+    picked = slots if len(decode_idx) == len(spans) else slots[torch.tensor(decode_idx, dtype=torch.long)]
+    pad = torch.arange(max_len).unsqueeze(0) >= lens.unsqueeze(1)                   # [R, L] True = padding
     meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-    meta.decode_lens = torch.tensor(lens, dtype=torch.long)
-    meta.decode_slots = slots
-    meta.decode_mask = mask.view(len(decode_idx), 1, max_len)
+    meta.decode_lens = lens
+    meta.decode_slots = picked[:, :max_len].masked_fill(pad, 0).contiguous()        # padded with slot 0
+    meta.decode_mask = torch.zeros(len(decode_idx), max_len).masked_fill_(pad, float("-inf")).unsqueeze(1)
 
 
 def _add_prefill_tables(meta: AttentionMetadata, prefills: list[SeqSpan]) -> None:
