@@ -188,6 +188,20 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     for (int64_t h = 0; h < KV; ++h)
       for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) items.push_back({b, h, i0, std::min(n, i0 + kQueryBlock)});
   }
+  // at::parallel_for gives each thread a contiguous range, and an item's cost grows with its queries'
+  // positions: order the items by cost and interleave cheapest and dearest, so every range costs about
+  // the same (one long prompt otherwise left one thread the late blocks of two KV heads).
+  const auto cost = [&](const Item& it) {
+    return (pb.seqs[3 * it.b + 2] - pb.seqs[3 * it.b + 1] + it.i1) * (it.i1 - it.i0);
+  };
+  std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) < cost(b); });
+  std::vector<Item> order;
+  order.reserve(items.size());
+  for (size_t lo = 0, hi = items.size(); lo < hi;) {
+    order.push_back(items[lo++]);
+    if (lo < hi) order.push_back(items[--hi]);
+  }
+  items.swap(order);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt, s;
     for (int64_t i = begin; i < end; ++i) {
