@@ -69,13 +69,14 @@ def linear_bytes(model) -> int:
 def head_saving(runner) -> int:
     """Bytes a greedy step reads less than linear_bytes counts: with the greedy head (layers/greedy_head.py)
     the float32 lm_head's tiles are not read; its int8 copy is, plus one 64-byte line of the float32 tiles
-    per 16 rows and split-off input (SCREEN_OUTLIERS of them), plus the rechecked rows (a few, not counted)."""
-    from tokenmill.layers.greedy_head import SCREEN_OUTLIERS
+    per 16 rows and split-off input (greedy_head_outliers() of them), plus the rechecked rows (a few, not
+    counted)."""
     head = getattr(runner, "greedy_head", None)
     if head is None:
         return 0
     blocks = head.f32_tiles.shape[0]
-    return head.screen.tiles.numel() + SCREEN_OUTLIERS * blocks * 64 - head.f32_tiles.numel() * 4
+    outliers = head.native.greedy_head_outliers()
+    return head.screen.tiles.numel() + outliers * blocks * 64 - head.f32_tiles.numel() * 4
 
 
 def make_prompt(prompt_len: int, seed: int = 0) -> list[int]:

@@ -439,5 +439,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("q8_tiles"), py::arg("scales"), py::arg("qsums"), py::arg("f32_tiles"), py::arg("norms"),
           py::arg("err_norms"), py::arg("norm_max"), py::arg("N"),
           py::arg("banned"), py::arg("workspace"));
+    m.def("greedy_head_outliers", &greedy_head_outliers, "inputs of largest |x| per step the screen takes in float32");
 #endif
 }

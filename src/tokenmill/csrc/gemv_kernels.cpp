@@ -150,10 +150,11 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
 // f32: y[m0 + m, 16 rb .. 16 (rb + NB)) for MB rows of x, from NB blocks' tiles [K, 16] (input k of a
 // block's 16 rows side by side). An MB x NB grid of accumulators (up to 8 x 3 = 24 of the 32 vector
 // registers): each weight load feeds MB FMAs and each broadcast of x feeds NB. Each output sums its
-// inputs in blocks of kSumBlock, in order, then adds the blocks' sums: rounding error about that of
-// oneDNN's float32 GEMM (a single running sum over K = 1536 inputs had 3x oneDNN's). Measured on the project's machine kind at 64 rows over the default model's 30
-// layers (weights from DRAM, 20 alternating runs): 66.4 ms against 70.5 for the 4 x 1 grid it replaced;
-// with the weights in L2, 225-232 GFLOP/s on every layer shape (the 4 x 1 grid: 119-230).
+// inputs in blocks of kSumBlock, in order, then adds the blocks' sums: relative error about 2e-7, below
+// oneDNN's 3-5e-7 (a single running sum over K = 1536 inputs had 3x oneDNN's). Measured on the project's
+// machine kind at 64 rows over the default model's 30 layers, weights from DRAM, alternating processes:
+// 68.5-70.2 ms against 71.6-72.1 for the 4 x 1 grid it replaced; with the weights in L2, 225-232 GFLOP/s on
+// every layer shape (the 4 x 1 grid: 119-230).
 constexpr int kF32Rows = 8, kF32Blocks = 3, kSumBlock = 64;
 
 template <int MB, int NB>
@@ -161,9 +162,7 @@ void f32_tile(const float* x, int64_t ldx, int64_t m0, const float* tiles, int64
               int64_t rb, int64_t N) {
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = tiles + (rb + j) * K * 16;
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  __m512 acc[MB][NB];                     // the current block's sums
   __m512 total[MB][NB];                   // the blocks' sums (kept in memory: the registers hold acc)
   const float* xm = x + m0 * ldx;
   for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {

@@ -12,9 +12,11 @@
 //   3. bound: l_j - a_j = w_j . f + e_j . x_r - e_j . f (exactly, in real arithmetic), so
 //      |l_j - a_j| <= b_j = 1.01 (||w_j|| ||f|| + ||e_j|| (||x_r|| + ||f||)) + 2^-18 (||w_j|| + ||e_j||) (||x|| + ||f||)
 //      + 2^-100: ||f||, ||x_r||, ||x|| in double per row; ||w_j||, ||e_j|| rounded up at build. The 2^-18 term
-//      covers float32 rounding (the int32 -> float conversion, two products, the x_o sum of kOutliers terms,
-//      the comparisons of step 4: each within a few times 2^-24 of (||w_j|| + ||e_j||) (||x|| + ||f||)), the
-//      1.01 the rounding of b_j itself, the last the products' underflow;
+//      (kRoundingSlack) covers float32 rounding: the int32 -> float conversion and two products (3 u), the
+//      kOutliers FMAs adding x_o (at most kOutliers u of the partial sums), the comparisons of step 4 (2 u),
+//      u = 2^-24, each of a value at most sqrt(2) (||w_j|| + ||e_j||) (||x|| + ||f||); in all under
+//      2 (kOutliers + 8) u times that bound. The 1.01 covers the rounding of b_j itself, 2^-100 the
+//      products' underflow;
 //   4. candidates: every j with a_j + b_j >= max_i (a_i - b_i). The true argmax t is always one, since
 //      a_t + b_t >= l_t >= l_i >= a_i - b_i for every i;
 //   5. exact: l_j of the candidates in double precision; the largest wins, the lowest index on ties (as
@@ -52,6 +54,7 @@ namespace {
 using tile_loop::tail_mask;
 
 constexpr int64_t kOutliers = 24;
+constexpr double kRoundingSlack = 2.0 * (kOutliers + 8) / (1 << 24);   // 2^-18 with 24 outliers (step 3)
 constexpr int kScreenRows = 8, kScreenBlocks = 3;   // an 8 x 3 grid of accumulators, as gemv_f32's tiles
 
 // The step's rows prepared for the screen (steps 1-2): the outlier inputs and each row's quantized rest.
@@ -179,7 +182,7 @@ RowResult pick(const float* y, const float* x, const ScreenRows& rows, int64_t m
                const float* err_norms, double norm_max, const float* f32_tiles, int64_t K, int64_t N) {
   const double xn = rows.x_norm[m], fn = rows.err_norm[m], rn = rows.rest_norm[m];
   if (!rows.finite[m] || norm_max * (xn + fn) > 1e30) return {-1, 0};
-  const double slack = std::ldexp(1.0, -18) * (xn + fn);
+  const double slack = kRoundingSlack * (xn + fn);
   // b_j = A ||w_j|| + C ||e_j|| + B, rounded up a little (float32 of each coefficient: the 1.01)
   const __m512 A = _mm512_set1_ps(static_cast<float>(1.01 * fn + slack));
   const __m512 C = _mm512_set1_ps(static_cast<float>(1.01 * (rn + fn) + slack));
@@ -216,6 +219,8 @@ RowResult pick(const float* y, const float* x, const ScreenRows& rows, int64_t m
 }
 
 }  // namespace
+
+int64_t greedy_head_outliers() { return kOutliers; }
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor q8_tiles, torch::Tensor scales,
                                                      torch::Tensor qsums, torch::Tensor f32_tiles, torch::Tensor norms,

@@ -19,8 +19,6 @@ import torch
 
 from tokenmill.layers import cpu_kernels
 
-SCREEN_OUTLIERS = 24     # inputs of largest |x| per step taken in float32 (csrc/greedy_head.cpp kOutliers)
-
 
 class GreedyHead:
     """hidden [R, K] float32 -> greedy token per row (argmax of hidden @ W.T with banned tokens excluded)."""
