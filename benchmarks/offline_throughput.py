@@ -106,7 +106,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"workload: {args.num_requests} requests x {args.prompt_len} prompt tokens -> {args.output_len} "
-          f"output tokens, greedy, default model fp32{' ' + args.quantization if args.quantization else ''}; "
+          f"output tokens, greedy, default model, {args.quantization or 'fp32'} weights; "
           f"median of {args.runs} runs")
     tm_wall, tm_rate = median_rate(tm_runs)
     print(f"tokenmill     wall {tm_wall:7.2f} s  output {tm_rate:7.1f} tok/s  (runs: "
