@@ -3,7 +3,8 @@
 64 requests x 128 random prompt tokens -> exactly 128 output tokens each (ignore EOS), greedy, all
 issued at once, default model (SmolLM2-135M-Instruct, weights dequantized to fp32). In the same run:
 transformers' static-batch `generate` on the same weights. Prints wall time and output tokens/s of
-each (median of --runs), their ratio, and tokenmill's start-up time to the first generated token of
+each (median of --runs), their ratio, whether the first run's greedy tokens are identical to
+transformers' (fp32 weights), and tokenmill's start-up time to the first generated token of
 `tokenmill generate` (first and second start).
 
     .venv/bin/python benchmarks/offline_throughput.py [--runs 3] [--num-requests 64] [--skip-peer]
@@ -27,13 +28,14 @@ def make_prompts(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(n)]
 
 
-def run_tokenmill(llm, prompts, output_len: int) -> tuple[float, int]:
+def run_tokenmill(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    """-> (wall seconds, each request's output token ids, in prompt order)."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    return wall, sum(len(o.outputs[0].token_ids) for o in outs)
+    return wall, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def load_transformers_model():
@@ -43,14 +45,26 @@ def load_transformers_model():
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
 
 
-def run_transformers(model, prompts, output_len: int) -> tuple[float, int]:
+def run_transformers(model, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    """-> (wall seconds, each prompt's output token ids). Prompts of one length: no padding."""
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
     wall = time.perf_counter() - t0
-    return wall, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return wall, out[:, ids.shape[1]:].tolist()
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """How many requests' greedy outputs are identical, and where the others first differ."""
+    differing = []                      # per differing request: the first output position that differs
+    for x, y in zip(ours, theirs):
+        first = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        if x != y:
+            differing.append(first)
+    line = f"greedy tokens identical to transformers' in {len(ours) - len(differing)} of {len(ours)} requests"
+    return line + (f" (the others first differ at output positions {sorted(differing)})" if differing else "")
 
 
 def startup_to_first_token() -> list[float]:
@@ -68,10 +82,10 @@ def startup_to_first_token() -> list[float]:
     return times
 
 
-def median_rate(runs: list[tuple[float, int]]) -> tuple[float, float]:
-    walls = [w for w, _ in runs]
-    wall = statistics.median(walls)
-    return wall, runs[0][1] / wall
+def median_rate(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, float]:
+    """-> (median wall seconds, output tokens per second at that wall)."""
+    wall = statistics.median(w for w, _ in runs)
+    return wall, sum(len(t) for t in runs[0][1]) / wall
 
 
 def main() -> None:
@@ -116,6 +130,8 @@ def main() -> None:
         print(f"transformers  wall {hf_wall:7.2f} s  output {hf_rate:7.1f} tok/s  (runs: "
               + ", ".join(f"{w:.2f}" for w, _ in hf_runs) + ")")
         print(f"ratio tokenmill / transformers: {tm_rate / hf_rate:.2f}x")
+        if not args.quantization:   # same fp32 weights: the tokens should be the same too (first run's)
+            print(greedy_agreement(tm_runs[0][1], hf_runs[0][1]))
     if not args.skip_startup:
         first, second = startup_to_first_token()
         print(f"tokenmill generate start-up to first token: first start {first:.1f} s, second start {second:.1f} s")
