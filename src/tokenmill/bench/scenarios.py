@@ -47,6 +47,21 @@ class OfflineScenario:
         return [ScheduledQuery(i, s, 0.0) for i, s in enumerate(order)]
 
 
+OFFLINE_HEADROOM = 1.1     # LoadGen's Offline query: offline_expected_qps x min duration x 1.1 samples
+
+
+def offline_query_size(samples: int, duration_s: float, min_duration_s: float, most: int) -> int:
+    """Samples for an Offline query that lasts at least `min_duration_s` at the rate a run of `samples`
+    samples in `duration_s` s showed: that rate as LoadGen's offline_expected_qps, times the minimum
+    duration and LoadGen's 1.1 headroom; never fewer than `samples`, at most `most`."""
+    if samples <= 0 or most < samples:
+        raise ValueError(f"need 0 < samples <= most, got samples={samples}, most={most}")
+    if not duration_s > 0:
+        return most
+    wanted = math.ceil(samples / duration_s * min_duration_s * OFFLINE_HEADROOM)
+    return max(samples, min(most, wanted))
+
+
 @dataclass(frozen=True)
 class ServerScenario:
     """Poisson arrivals at `target_qps` from a seeded Mersenne Twister (Python's `random.Random`).
