@@ -14,7 +14,7 @@ from .fakes import FakeAsyncEngine
 
 
 def test_query_size_scales_the_rate_to_the_minimum_duration_with_loadgen_headroom():
-    assert offline_query_size(48, 9.0, 10.0, 480) == 59            # ceil(48 / 9 * 10 * 1.1) = ceil(58.67)
+    assert offline_query_size(48, 9.0, 10.0, 480) == 58            # floor(1.1 * 10 * 48 / 9) = floor(58.67)
     assert offline_query_size(48, 12.0, 10.0, 480) == 48           # long enough already: never fewer
     assert offline_query_size(48, 0.1, 10.0, 480) == 480           # capped
     assert offline_query_size(48, 0.0, 10.0, 480) == 480           # no rate measured: the cap

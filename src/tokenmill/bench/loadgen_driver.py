@@ -21,6 +21,7 @@ from pathlib import Path
 from tokenmill.bench.metrics import compute_metrics
 from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.runner import RunResult
+from tokenmill.bench.scenarios import OFFLINE_HEADROOM
 from tokenmill.bench.session import BenchSession, Outcome
 
 _MS_TO_NS = 1_000_000
@@ -46,7 +47,8 @@ def _settings(lg, session: BenchSession, scenario: str, num_queries: int | None,
         n = num_queries or len(session.samples)
         s.min_query_count = n
         s.max_query_count = n
-        s.offline_expected_qps = max(n / max(p.min_duration_s, 1e-3) / 1.1, 1e-3)   # samples = min_query_count
+        # LoadGen's query: max(min_query_count, OFFLINE_HEADROOM x min duration x expected QPS) samples = n
+        s.offline_expected_qps = max(n / max(p.min_duration_s, 1e-3) / OFFLINE_HEADROOM, 1e-3)
     else:
         s.scenario = lg.TestScenario.Server
         s.server_target_qps = float(target_qps)

@@ -28,8 +28,8 @@ class MainJobConfig:
     min_duration_s: float = 10.0       # s per Server run (MLPerf: 600 s)
     min_query_count: int = 12          # per Server run (dev setting)
     # cap per Server run, keeps the job to minutes. At least num_samples: a run whose queries all arrive at
-    # once must queue as many as Offline's first run does, or an overloaded server passes the TTFT limit (it did at 24
-    # queries: every QPS up to 130 "met the limits" and Server/Offline read 113%)
+    # once must queue as many as Offline's first run does, or an overloaded server passes the TTFT limit (it
+    # did at 24 queries: every QPS up to 130 "met the limits" and Server/Offline read 113%)
     max_query_count: int = 48
     start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
     precision: float = 0.2             # relative QPS precision of the peak search

@@ -47,7 +47,8 @@ class OfflineScenario:
         return [ScheduledQuery(i, s, 0.0) for i, s in enumerate(order)]
 
 
-OFFLINE_HEADROOM = 1.1     # LoadGen's Offline query: offline_expected_qps x min duration x 1.1 samples
+OFFLINE_HEADROOM = 1.1     # LoadGen's kSlack: its Offline query holds floor(1.1 x min duration x offline_expected_qps)
+                           # samples (at least min_query_count)
 
 
 def offline_query_size(samples: int, duration_s: float, min_duration_s: float, most: int) -> int:
@@ -58,7 +59,7 @@ def offline_query_size(samples: int, duration_s: float, min_duration_s: float, m
         raise ValueError(f"need 0 < samples <= most, got samples={samples}, most={most}")
     if not duration_s > 0:
         return most
-    wanted = math.ceil(samples / duration_s * min_duration_s * OFFLINE_HEADROOM)
+    wanted = math.floor(OFFLINE_HEADROOM * min_duration_s * (samples / duration_s))
     return max(samples, min(most, wanted))
 
 
