@@ -52,7 +52,7 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
     if decode_rows:
         _add_decode_tables(meta, spans, slots, decode_rows, decode_idx)
     if len(decode_rows) < len(spans):
-        _add_prefill_tables(meta, [s for s in spans if s.query_len > 1])
+        _add_prefill_tables(meta, spans, slots, [i for i, s in enumerate(spans) if s.query_len > 1])
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                       torch.tensor(sample_rows, dtype=torch.long), sample_idx)
 
@@ -77,10 +77,11 @@ def _add_decode_tables(meta: AttentionMetadata, spans, slots: torch.Tensor, deco
     meta.decode_mask = torch.zeros(len(decode_idx), max_len).masked_fill_(pad, float("-inf")).unsqueeze(1)
 
 
-def _add_prefill_tables(meta: AttentionMetadata, prefills: list[SeqSpan]) -> None:
-    slots = torch.zeros(len(prefills), max(s.context_len for s in prefills), dtype=torch.long)
-    for r, s in enumerate(prefills):
-        slots[r, :s.context_len] = s.context_slots
+def _add_prefill_tables(meta: AttentionMetadata, spans, slots: torch.Tensor, prefill_idx: list[int]) -> None:
+    """The step's prefill chunks for the native kernel: [P, 3] (first row, new tokens, context length) and
+    their rows of the slot table, [P, longest context] (past a chunk's context: valid slots, never read)."""
+    prefills = [spans[i] for i in prefill_idx]
+    width = max(s.context_len for s in prefills)
     meta.prefill_spans = torch.tensor([[s.query_start, s.query_len, s.context_len] for s in prefills],
                                       dtype=torch.long).view(len(prefills), 3)
-    meta.prefill_slots = slots
+    meta.prefill_slots = slots[torch.tensor(prefill_idx, dtype=torch.long), :width].contiguous()

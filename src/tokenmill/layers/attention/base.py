@@ -32,7 +32,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None    # [num_decodes] int64 context lengths
     # multi-token queries (prefill chunks), batched for native kernels; None when there are none
     prefill_spans: torch.Tensor | None = None  # [P, 3] int64: query_start, query_len, context_len of each
-    prefill_slots: torch.Tensor | None = None  # [P, max_context] int64 context slots, padded with slot 0
+    prefill_slots: torch.Tensor | None = None  # [P, max_context] int64 context slots (any valid slot past a context)
 
 
 class AttentionBackend:
