@@ -58,11 +58,8 @@ def run_transformers(model, prompts, output_len: int) -> tuple[float, list[list[
 
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
     """How many requests' greedy outputs are identical, and where the others first differ."""
-    differing = []                      # per differing request: the first output position that differs
-    for x, y in zip(ours, theirs):
-        first = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-        if x != y:
-            differing.append(first)
+    differing = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                 for x, y in zip(ours, theirs) if x != y]     # first output position that differs, per request
     line = f"greedy tokens identical to transformers' in {len(ours) - len(differing)} of {len(ours)} requests"
     return line + (f" (the others first differ at output positions {sorted(differing)})" if differing else "")
 

@@ -6,7 +6,7 @@ import pytest
 
 from tokenmill.bench.main_job import MainJobConfig, run_offline_sized
 from tokenmill.bench.profiles import get_profile
-from tokenmill.bench.scenarios import OFFLINE_HEADROOM, offline_query_size
+from tokenmill.bench.scenarios import offline_query_size
 from tokenmill.bench.session import BenchConfig, BenchSession
 from tokenmill.bench.sut.inprocess import InProcessSUT
 
@@ -18,7 +18,6 @@ def test_query_size_scales_the_rate_to_the_minimum_duration_with_loadgen_headroo
     assert offline_query_size(48, 12.0, 10.0, 480) == 48           # long enough already: never fewer
     assert offline_query_size(48, 0.1, 10.0, 480) == 480           # capped
     assert offline_query_size(48, 0.0, 10.0, 480) == 480           # no rate measured: the cap
-    assert OFFLINE_HEADROOM == 1.1
 
 
 @pytest.mark.parametrize("samples, most", [(0, 10), (10, 5)])

@@ -47,8 +47,9 @@ class OfflineScenario:
         return [ScheduledQuery(i, s, 0.0) for i, s in enumerate(order)]
 
 
-OFFLINE_HEADROOM = 1.1     # LoadGen's kSlack: its Offline query holds floor(1.1 x min duration x offline_expected_qps)
-                           # samples (at least min_query_count)
+# LoadGen's kSlack: its Offline query holds floor(1.1 x min duration x offline_expected_qps) samples, at least
+# min_query_count (loadgen/test_settings_internal.cc)
+OFFLINE_HEADROOM = 1.1
 
 
 def offline_query_size(samples: int, duration_s: float, min_duration_s: float, most: int) -> int:
