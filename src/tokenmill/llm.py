@@ -5,6 +5,7 @@ import itertools
 from typing import Iterator, Sequence
 
 from tokenmill.config import EngineArgs
+from tokenmill.engine.errors import RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -27,15 +28,21 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Outputs in prompt order. A single prompt may be a string or one list of token ids."""
+        """Outputs in prompt order. A single prompt may be a string or one list of token ids.
+        A bad prompt or parameter raises ValueError/TypeError and leaves none of the batch queued; a
+        request that fails in the engine raises RequestFailedError naming its prompt, and the rest of the
+        batch is aborted. Either way the engine stays usable."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        ids: dict[str, int] = {}                 # request id -> prompt index
         done: dict[str, RequestOutput] = {}
         try:
-            while self.engine.has_unfinished_requests():
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids[self._add(p, sp)] = i
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in ids:
+                        _raise_if_failed(out, f"prompt {ids[out.request_id]}")
                         done[out.request_id] = out
         except BaseException:
             for rid in ids:
@@ -57,6 +64,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id == rid:
                         finished = out.finished
+                        _raise_if_failed(out)
                         yield out
         finally:
             if not finished:
@@ -81,6 +89,11 @@ def apply_chat_template(tokenizer, messages: list[Message], add_generation_promp
             raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _raise_if_failed(out: RequestOutput, which: str | None = None) -> None:
+    if out.error is not None:
+        raise RequestFailedError(f"{which}: {out.error}" if which else out.error)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

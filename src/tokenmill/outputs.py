@@ -38,7 +38,7 @@ class CompletionOutput:
     index: int                                # which of the n completions
     text: str                                 # detokenized, stop string removed
     token_ids: list[int]                      # every generated token id so far
-    finish_reason: str | None = None          # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # added since the previous update
@@ -58,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    error: str | None = None                  # set (with finished) when the engine failed this request
 
     @property
     def metrics(self) -> RequestMetrics | None:

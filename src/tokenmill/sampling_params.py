@@ -12,6 +12,13 @@ from dataclasses import dataclass, replace
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by them overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# The largest values the float32 sampler computes without overflow or NaN for any finite logit: 1/T and
+# logit * r, logit / r stay finite normal floats. (The server holds requests to OpenAI's narrower ranges.)
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+# Largest top_k and token id that fit the int64 tensors the sampler builds (both are further held to the
+# vocabulary when the engine admits the request, see check_for_model).
+MAX_INT64 = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -48,14 +55,17 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _int_at_least("n", self.n, 1)
-        if not (_is_number(self.temperature) and 0.0 <= self.temperature < math.inf):
-            _fail("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if not (_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            _fail("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             _fail("top_p", self.top_p, "a number in (0, 1]")
         _int_at_least("top_k", self.top_k, 0, "an integer >= 1, or 0 / -1 to disable")
+        if self.top_k > MAX_INT64:
+            _fail("top_k", self.top_k, "an integer in [1, vocabulary size], or 0 / -1 to disable")
         _number_in("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")
-        if not (_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf):
-            _fail("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not (_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high):
+            _fail("repetition_penalty", self.repetition_penalty, f"a number in [{low:g}, {high:g}] (1 disables it)")
         _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "a number in [-2, 2]")
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a number in [-2, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -64,8 +74,8 @@ class SamplingParams:
             if not isinstance(s, str) or s == "":
                 _fail("stop", self.stop, "non-empty strings")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT64:
+                _fail("stop_token_ids", self.stop_token_ids, "token ids (non-negative integers)")
         if self.max_tokens is not None:
             _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("min_tokens", self.min_tokens, 0)
@@ -75,6 +85,20 @@ class SamplingParams:
             _int_at_least("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 _fail("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
+
+    def check_for_model(self, vocab_size: int, eos_token_ids) -> None:
+        """The checks that need the model: top_k and stop_token_ids inside the vocabulary, and min_tokens
+        satisfiable (while it masks EOS and the stop ids, some token must remain). ValueError naming the field."""
+        if self.top_k > vocab_size:
+            _fail("top_k", self.top_k, f"an integer in [1, {vocab_size}] (the vocabulary size), or -1 to disable")
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            _fail("stop_token_ids", outside, f"token ids inside the vocabulary [0, {vocab_size})")
+        if self.min_tokens > 0:
+            banned = set(self.stop_token_ids) | {t for t in eos_token_ids if 0 <= t < vocab_size}
+            if len(banned) >= vocab_size:
+                raise ValueError(f"min_tokens ({self.min_tokens}) cannot be satisfied: EOS and stop_token_ids "
+                                 f"ban all {vocab_size} tokens of the vocabulary until then")
 
     @property
     def greedy(self) -> bool:
@@ -102,7 +126,14 @@ def _as_tuple(name: str, value, expected: str) -> tuple:
 
 
 def _fail(name: str, value, expected: str):
-    raise ValueError(f"invalid sampling parameter {name}={value!r}: expected {expected}")
+    raise ValueError(f"invalid sampling parameter {name}={_short_repr(value)}: expected {expected}")
+
+
+def _short_repr(value, limit: int = 120) -> str:
+    """repr of a bad value, cut short (a stop list can be megabytes) and safe to encode as UTF-8."""
+    text = repr(value)
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _int_at_least(name: str, value, low: int, expected: str | None = None) -> None:

@@ -48,3 +48,11 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, list[int]]                     # request id -> new tokens (1 per sampled request)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only for requests asking for them
+    # request id -> why its part of the step failed (an exception traced to it alone, or a sampled id outside
+    # the vocabulary); such a request gets no tokens and the scheduler finishes it with FinishReason.ERROR
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, other: "RunnerOutput") -> "RunnerOutput":
+        """The outputs of two disjoint parts of one step, as one."""
+        return RunnerOutput({**self.sampled_token_ids, **other.sampled_token_ids},
+                            {**self.logprobs, **other.logprobs}, {**self.failed, **other.failed})

@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"                    # EOS, a stop token id or a stop string
     LENGTH = "length"                # max_tokens or the context window
     ABORT = "abort"                  # cancelled by the caller
+    ERROR = "error"                  # failed inside the engine (RunnerOutput.failed, output processing)
 
 
 @dataclass

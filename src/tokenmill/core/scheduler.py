@@ -67,9 +67,9 @@ class Scheduler:
             done.append(request)
         return done
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request, drop_cached: bool = False) -> None:
         request.status = RequestStatus.FINISHED
-        self.kv.free(request)
+        self.kv.free(request, drop_cached)
         self.requests.pop(request.request_id, None)
         self.finished_since_last_step.append(request.request_id)
 
@@ -154,18 +154,29 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts, append sampled tokens, finish requests that stop.
-        Returns (request, new token ids) for every request that produced tokens this step."""
+        """Advance computed counts, append sampled tokens, finish requests that stop or failed.
+        Returns (request, new token ids) for every request that produced tokens or failed this step."""
         produced = []
         for sr in sched_out.scheduled:
             request = self.requests.get(sr.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if sr.request_id in runner_out.failed:
+                self._fail(request)
+                produced.append((request, []))
                 continue
             request.num_computed_tokens += sr.num_new_tokens
             new_ids = self._append_tokens(request, runner_out.sampled_token_ids.get(sr.request_id, ()))
             if new_ids:
                 produced.append((request, new_ids))
         return produced
+
+    def _fail(self, request: Request) -> None:
+        """Finish a request whose step failed. Blocks its step filled may hold partial KV: they leave the
+        prefix cache, so no later request reuses them."""
+        self.running.remove(request)
+        request.finish_reason, request.stop_reason = FinishReason.ERROR, None
+        self._free(request, drop_cached=True)
 
     def _append_tokens(self, request: Request, token_ids) -> list[int]:
         accepted = []

@@ -2,7 +2,15 @@
 
 Ownership: only the engine thread touches the LLMEngine. Callers send commands (add, abort) through a
 queue and receive RequestOutputs on a per-request asyncio.Queue, delivered with call_soon_threadsafe.
-A caller that stops iterating (client gone) aborts its request, which frees its KV blocks.
+
+Lifetime rules (the loop never dies of a request):
+- a caller may give up at any moment (cancelled while its add is queued, mid-prefill, mid-stream, after
+  the last output): an add whose caller is gone is skipped, and a caller that stops iterating aborts its
+  request, which frees its KV blocks. Neither is an error for the engine thread;
+- a request the engine fails (LLMEngine isolation) raises RequestFailedError to its caller alone;
+- if the loop itself raises (a bug no request explains), the engine is dead: `dead` says why, every
+  in-flight and queued request gets EngineDeadError, every later `generate` raises it at once, and the
+  `on_dead` callbacks run (the server answers /health 503 and exits non-zero).
 """
 from __future__ import annotations
 
@@ -11,19 +19,18 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineStats
+from tokenmill.engine.errors import EngineDeadError, RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
 
 
 class AsyncEngine:
@@ -32,7 +39,11 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.args.model or "SmolLM2-135M-Instruct"
         self.max_model_len = self.engine.max_model_len
+        self.dead: EngineDeadError | None = None    # set once, when the loop stops (shut down or died)
+        self.died_of_bug = False                    # the loop stopped by an exception, not shutdown()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()        # a command is queued only while the loop will read it
+        self._on_dead: list[Callable[[EngineDeadError], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
@@ -42,28 +53,45 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they come; the last has finished=True. Raises ValueError/TypeError for
-        bad input before anything is queued."""
-        if self._stop.is_set():
-            raise EngineDeadError("the engine is shut down")
+        bad input before anything is queued, RequestFailedError when the engine fails this request,
+        EngineDeadError when the engine is not running."""
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        done = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, params, loop, stream), done))
-        await asyncio.wrap_future(done)
+        admitted = concurrent.futures.Future()
+        self._submit(("add", (request_id, prompt, params, loop, stream), admitted))
         finished = False
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:   # gone while queued: the add is skipped, or aborted right after it
+            self._submit(("abort", request_id, None), quiet=True)
+            raise
         try:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             if not finished:
-                self._commands.put(("abort", request_id, None))
+                self._submit(("abort", request_id, None), quiet=True)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        self._submit(("abort", request_id, None), quiet=True)
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Run callback(error) on the engine thread when the loop stops (at once if it already has)."""
+        with self._submit_lock:
+            if self.dead is None:
+                self._on_dead.append(callback)
+                return
+        callback(self.dead)
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """LLMEngine.check_request, from the caller's thread: lets a server answer 400 before it streams."""
+        self.engine.check_request(num_prompt_tokens, params)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -81,24 +109,31 @@ class AsyncEngine:
         self._commands.put(("wake", None, None))
         self._thread.join(timeout_s)
 
+    def _submit(self, command: tuple, quiet: bool = False) -> None:
+        """Queue a command for the engine thread; EngineDeadError (unless quiet) once the loop stopped."""
+        with self._submit_lock:
+            if self.dead is None:
+                self._commands.put(command)
+                return
+        if not quiet:
+            raise EngineDeadError(str(self.dead))
+
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            block = not self.engine.has_unfinished_requests()
-            self._drain_commands(block)
-            if self._stop.is_set():
-                break
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug in a step: fail the in-flight requests, keep serving
-                logger.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            for out in outputs:
-                self._deliver(out)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as e:  # noqa: BLE001 - the loop is dead: say so to everyone, never hang
+            logger.exception("the engine loop died")
+            self.died_of_bug = True
+            self._stop_serving(EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}"))
+            return
+        self._stop_serving(EngineDeadError("the engine was shut down"))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -112,41 +147,56 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, kind: str, payload, done) -> None:
+    def _apply(self, kind: str, payload, admitted: concurrent.futures.Future | None) -> None:
         if kind == "add":
+            if not admitted.set_running_or_notify_cancel():
+                return                                     # the caller gave up before admission
             request_id, prompt, params, loop, stream = payload
             try:
                 self.engine.add_request(request_id, prompt, params, stream=True)
-            except Exception as e:
-                done.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - bad input: the caller's error, not the loop's
+                admitted.set_exception(e)
                 return
             self._streams[request_id] = (loop, stream)
-            done.set_result(None)
+            admitted.set_result(None)
         elif kind == "abort":
             out = self.engine.abort_request(payload)
             if out is not None:
                 self._deliver(out)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str | None = None) -> None:
+        request_id = request_id or out.request_id
+        target = self._streams.get(request_id)
         if target is None:
             return
-        if out.finished:
-            del self._streams[out.request_id]
+        if isinstance(out, BaseException) or out.finished:
+            del self._streams[request_id]
         loop, stream = target
         try:
             loop.call_soon_threadsafe(stream.put_nowait, out)
         except RuntimeError:   # the caller's loop is closed: nobody is listening
             pass
 
-    def _fail_all(self, error: BaseException) -> None:
-        for rid, (loop, stream) in list(self._streams.items()):
+    def _stop_serving(self, error: EngineDeadError) -> None:
+        """No command is accepted from now on; queued adds, in-flight requests and callbacks get `error`."""
+        with self._submit_lock:
+            self.dead = error
+            callbacks, self._on_dead = self._on_dead, []
+        while True:
             try:
-                self.engine.abort_request(rid)
-            except Exception:   # the engine may be what failed: still tell every caller
-                logger.exception("abort of %s failed", rid)
+                kind, payload, admitted = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add" and admitted.set_running_or_notify_cancel():
+                admitted.set_exception(error)
+        for request_id in list(self._streams):
             try:
-                loop.call_soon_threadsafe(stream.put_nowait, error)
-            except RuntimeError:
-                pass
-        self._streams.clear()
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine may be what failed: still tell every caller
+                logger.exception("abort of %s failed", request_id)
+            self._deliver(EngineDeadError(str(error)), request_id)
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001
+                logger.exception("an on_dead callback failed")

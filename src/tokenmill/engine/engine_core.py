@@ -1,15 +1,25 @@
-"""The step loop's body: schedule -> execute -> update. Token ids in, token ids out; no text."""
+"""The step loop's body: schedule -> execute -> update. Token ids in, token ids out; no text.
+
+Isolation: a step that raises is run again in halves until the request(s) at fault run alone, so a
+request whose inputs break the step fails alone (RunnerOutput.failed) and its batch-mates get the tokens
+they would have had without it. A failure outside the runner (scheduling, updating) is a bug no request
+explains: it propagates, and the engine loop above treats it as fatal.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass
@@ -18,6 +28,7 @@ class CoreUpdate:
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
+    error: str | None = None          # the request failed in this step (it is finished, with no new tokens)
 
 
 @dataclass
@@ -32,6 +43,7 @@ class EngineStats:
     prefix_cache_hits_total: int      # prompt tokens found there
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    num_failed_requests_total: int = 0  # requests the engine ended with an error (FinishReason.ERROR)
 
 
 class EngineCore:
@@ -53,11 +65,29 @@ class EngineCore:
 
     def step(self) -> list[CoreUpdate]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
         if sched_out.is_empty:
+            self.runner.execute(sched_out)             # still hands over the finished ids
             return []
+        runner_out = self._execute_isolated(sched_out)
         produced = self.scheduler.update(sched_out, runner_out)
-        return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, [])) for req, ids in produced]
+        return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
+                           runner_out.failed.get(req.request_id)) for req, ids in produced]
+
+    def _execute_isolated(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """runner.execute; when it raises, each half of the step runs on its own (recursively), so only the
+        requests that fail even alone are reported failed. A failed attempt leaves no trace: the runner
+        restores the random generators it drew from, and the retry rewrites the same KV slots."""
+        try:
+            return self.runner.execute(sched_out)
+        except Exception as e:  # noqa: BLE001 - traced to a request below, or reported for the one alone
+            if len(sched_out.scheduled) == 1:
+                request_id = sched_out.scheduled[0].request_id
+                logger.exception("request %s failed in its step", request_id)
+                return RunnerOutput({}, failed={request_id: f"the step failed: {type(e).__name__}: {e}"})
+        mid = len(sched_out.scheduled) // 2
+        first = replace(sched_out, scheduled=sched_out.scheduled[:mid])
+        second = replace(sched_out, scheduled=sched_out.scheduled[mid:])
+        return self._execute_isolated(first).merge(self._execute_isolated(second))
 
     def stats(self) -> EngineStats:
         return EngineStats(

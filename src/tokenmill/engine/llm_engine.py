@@ -1,6 +1,10 @@
 """The synchronous engine: text in, RequestOutputs out. Tokenizes, fans out n>1, detokenizes
 incrementally, applies stop strings, stamps per-token times. Single-threaded: callers that need
-concurrency wrap it (AsyncEngine)."""
+concurrency wrap it (AsyncEngine).
+
+Isolation: a request that fails in its step (EngineCore) or while its output is processed here ends alone,
+all its completions with it, as a final RequestOutput whose `error` says why; the step goes on for the
+others. `add_request` either enqueues the whole request or nothing."""
 from __future__ import annotations
 
 import logging
@@ -39,6 +43,7 @@ class _RequestState:
     params: SamplingParams
     stream: bool
     completions: list[_Completion]
+    error: str | None = None          # why the engine failed this request (then it is finished)
 
 
 class LLMEngine:
@@ -58,6 +63,7 @@ class LLMEngine:
         self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_failed_requests_total = 0
         self.startup_s = time.perf_counter() - t0
         self._log_startup()
 
@@ -112,16 +118,25 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        self.core.scheduler.check_fits(len(ids), f"request {request_id}")
+        self.check_request(len(ids), params, f"request {request_id}")
         arrival = arrival_time if arrival_time is not None else time.perf_counter()
         state = _RequestState(request_id, text, ids, params, stream, [])
         for i in range(params.n):
             state.completions.append(self._new_completion(state, i, arrival))
+        for c in state.completions:    # "r#0" of a request "r" with n > 1 is taken too
+            if c.request.request_id in self.child_to_parent:
+                raise ValueError(f"request id {c.request.request_id!r} is already in use")
         self.requests[request_id] = state
         for c in state.completions:
             self.child_to_parent[c.request.request_id] = (state, c.index)
             self.core.add_request(c.request)
         self.prompt_tokens_total += len(ids) * params.n
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams, what: str = "prompt") -> None:
+        """What add_request checks besides the prompt's ids (reads only configuration: safe from any
+        thread). ValueError naming the parameter or the prompt's size at fault."""
+        params.check_for_model(self.config.model.vocab_size, self.eos_token_ids)
+        self.core.scheduler.check_fits(num_prompt_tokens, what)
 
     def _new_completion(self, state: _RequestState, index: int, arrival: float) -> _Completion:
         params = state.params
@@ -153,18 +168,47 @@ class LLMEngine:
         updates = self.core.step()
         now = time.perf_counter()
         touched: dict[str, _RequestState] = {}
+        failed: dict[str, tuple[_RequestState, str]] = {}
         for u in updates:
             state, index = self.child_to_parent[u.request.request_id]
-            self._apply(state.completions[index], u, now)
-            touched[state.request_id] = state
-        outputs = []
-        for state in touched.values():
+            if state.request_id in failed:
+                continue
+            error = u.error or self._try_apply(state.completions[index], u, now)
+            if error is not None:
+                failed[state.request_id] = (state, error)
+            else:
+                touched[state.request_id] = state
+        outputs = [self._fail(state, error, now) for state, error in failed.values()]
+        for rid, state in touched.items():
+            if rid not in failed:
+                outputs.extend(self._output_or_fail(state, now))
+        return outputs
+
+    def _try_apply(self, c: _Completion, u: CoreUpdate, now: float) -> str | None:
+        """_apply; an exception there fails this request alone. Returns the error, or None."""
+        try:
+            self._apply(c, u, now)
+            return None
+        except Exception as e:  # noqa: BLE001 - one request's output processing: fail it, not the step
+            logger.exception("processing the output of request %s failed", u.request.request_id)
+            return f"processing its output failed: {type(e).__name__}: {e}"
+
+    def _output_or_fail(self, state: _RequestState, now: float) -> list[RequestOutput]:
+        try:
             out = self._finish_if_done(state, now)
             if out is None and state.stream:
                 out = self._make_output(state, finished=False)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+        except Exception as e:  # noqa: BLE001 - as in _try_apply
+            logger.exception("building the output of request %s failed", state.request_id)
+            out = self._fail(state, f"building its output failed: {type(e).__name__}: {e}", now)
+        return [] if out is None else [out]
+
+    def _fail(self, state: _RequestState, error: str, now: float) -> RequestOutput:
+        """End every completion of the request now, with finish_reason "error" and the error in the output."""
+        state.error = f"request {state.request_id} failed in the engine: {error}"
+        self.num_failed_requests_total += 1
+        self.core.abort([c.request.request_id for c in state.completions], FinishReason.ERROR)
+        return self._finish_if_done(state, now, force=True)
 
     def _apply(self, c: _Completion, u: CoreUpdate, now: float) -> None:
         m = c.metrics
@@ -191,11 +235,20 @@ class LLMEngine:
             c.metrics.finished_time = now
             c.metrics.num_preemptions = c.request.num_preemptions
             if not c.detok.finished:
-                c.new_text += c.detok.finish().new_text
+                self._release_held_text(state, c)
         del self.requests[state.request_id]
         for c in state.completions:
             self.child_to_parent.pop(c.request.request_id, None)
         return self._make_output(state, finished=True)
+
+    @staticmethod
+    def _release_held_text(state: _RequestState, c: _Completion) -> None:
+        """Text held back for a possible stop string; on a failed request a broken detokenizer keeps it."""
+        try:
+            c.new_text += c.detok.finish().new_text
+        except Exception:  # noqa: BLE001
+            if state.error is None:
+                raise
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
         outs = []
@@ -208,7 +261,8 @@ class LLMEngine:
                 new_token_ids=c.new_ids, new_text=c.new_text, metrics=c.metrics))
             c.new_ids, c.new_text = [], ""
         cached = state.completions[0].request.num_cached_tokens
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, cached)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, cached,
+                             error=state.error)
 
     def model_info(self) -> dict:
         """Static facts for efficiency reports: bytes the weights occupy as computed with (after any
@@ -225,5 +279,6 @@ class LLMEngine:
         s = self.core.stats()
         s.prompt_tokens_total = self.prompt_tokens_total
         s.generation_tokens_total = self.generation_tokens_total
+        s.num_failed_requests_total = self.num_failed_requests_total
         return s
 

@@ -57,10 +57,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """One step. If it raises, the random generators are as they were before it (a retry of part of
+        the step draws the same numbers)."""
         for rid in sched_out.finished_request_ids:
             self.generators.pop(rid, None)
         if sched_out.is_empty:
             return RunnerOutput({})
+        saved = self._save_generators(sched_out)
+        try:
+            return self._check_vocab(self._execute(sched_out))
+        except BaseException:
+            self._restore_generators(saved)
+            raise
+
+    def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         inputs = build_step_inputs(sched_out, self.block_size)
         # The last layer computes only the rows that sample (all rows' keys and values are cached anyway).
         sampled_rows = inputs.sample_rows
@@ -81,6 +91,38 @@ class ModelRunner:
         sampled = {sr.request_id: [tok] for sr, tok in zip(scheduled, out.token_ids)}
         logprobs = {sr.request_id: [lp] for sr, lp in zip(scheduled, out.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs)
+
+    def _check_vocab(self, out: RunnerOutput) -> RunnerOutput:
+        """A sampled id outside the vocabulary never reaches the cache: its request fails instead."""
+        vocab = self.config.model.vocab_size
+        for rid, ids in list(out.sampled_token_ids.items()):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                del out.sampled_token_ids[rid]
+                out.logprobs.pop(rid, None)
+                out.failed[rid] = f"sampled token id {bad[0]} outside the vocabulary [0, {vocab})"
+        return out
+
+    def _save_generators(self, sched_out: SchedulerOutput) -> tuple | None:
+        """States of the generators this step may draw from: the shared one and the seeded requests' (None
+        for a seeded request whose generator the step would create). None when no row samples randomly."""
+        random_rows = [sr for sr in sched_out.scheduled if sr.sample and not sr.params.greedy]
+        if not random_rows:
+            return None
+        seeded = {sr.request_id: (g.get_state() if (g := self.generators.get(sr.request_id)) is not None else None)
+                  for sr in random_rows if sr.params.seed is not None}
+        return self.sampler.generator.get_state(), seeded
+
+    def _restore_generators(self, saved: tuple | None) -> None:
+        if saved is None:
+            return
+        shared, seeded = saved
+        self.sampler.generator.set_state(shared)
+        for rid, state in seeded.items():
+            if state is None:
+                self.generators.pop(rid, None)
+            else:
+                self.generators[rid].set_state(state)
 
     def _screened_greedy(self, hidden: torch.Tensor, metas: list[SamplingMeta]) -> list[int] | None:
         """The step's tokens from the greedy head when every row is greedy without logprobs or penalties

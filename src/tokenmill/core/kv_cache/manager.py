@@ -86,8 +86,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def free(self, request: Request) -> None:
-        """Release every block of the request (tail first, so shared prefixes outlive it in the LRU)."""
+    def free(self, request: Request, drop_cached: bool = False) -> None:
+        """Release every block of the request (tail first, so shared prefixes outlive it in the LRU).
+        drop_cached: its blocks that no other request holds leave the prefix cache (their content is not
+        to be trusted, e.g. after a failed step)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free(list(reversed(blocks)), drop_cached)
