@@ -30,11 +30,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, log_path: str, *extra: str) -> None:
+    """`python -m tokenmill.server`, or `python -c python_code` with the same arguments (a script that
+    patches the engine before it calls tokenmill.server.cli.main)."""
+
+    def __init__(self, model_dir: str, log_path: str, *extra: str, python_code: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "tokenmill.server", "--model", model_dir, "--port", str(self.port),
+        entry = ["-c", python_code] if python_code else ["-m", "tokenmill.server"]
+        cmd = [sys.executable, *entry, "--model", model_dir, "--port", str(self.port),
                "--num-threads", "1", "--log-level", "warning", *extra]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -52,8 +56,9 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        log = self.log()
         self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log}")
 
     def log(self) -> str:
         self._log.flush()
@@ -94,6 +99,12 @@ def server(start_server) -> ServerProcess:
     return start_server("--api-key", API_KEY, "--max-n", str(MAX_N), "--max-logprobs", str(MAX_LOGPROBS),
                         "--max-request-body-bytes", str(MAX_BODY_BYTES), "--max-num-seqs", "256",
                         "--max-waiting-requests", "256")
+
+
+@pytest.fixture(scope="session")
+def roomy_server(start_server) -> ServerProcess:
+    """The API key, and otherwise the default limits (8 MiB bodies, n up to 16): for large bodies and fuzzing."""
+    return start_server("--api-key", API_KEY, "--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="session")

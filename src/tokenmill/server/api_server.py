@@ -37,8 +37,11 @@ def _json(model) -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if _serving(request).draining:
-        return OpenAIError(503, "server is shutting down", code="shutting_down").response()
+    """200 only while the engine can serve: 503 once its loop has stopped, and while draining."""
+    try:
+        _serving(request).check_accepting()
+    except OpenAIError as e:
+        return e.response()
     return JSONResponse({"status": "ok"})
 
 
@@ -86,7 +89,8 @@ async def detokenize_route(body: DetokenizeRequest, request: Request) -> Respons
 def build_app(engine, config: ServerConfig, max_num_seqs: int) -> FastAPI:
     """One app per engine; its metrics live in the app's own registry."""
     app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None,
-                  strict_content_type=False)   # a JSON body without a Content-Type is still JSON
+                  strict_content_type=False,   # a JSON body without a Content-Type is still JSON
+                  redirect_slashes=False)      # /v1/completions/ is a 404, not a 307 clients do not follow
     metrics_ = ServerMetrics(engine, engine.model_name)
     app.state.serving = Serving(engine=engine, config=config, metrics=metrics_,
                                 admission=Admission(engine, max_num_seqs, config))

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.server.protocol import ErrorInfo, ErrorResponse
+from tokenmill.server.protocol import INVALID_UNICODE, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -26,6 +26,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = _utf8(message), _utf8(param)   # an error about bad text must not fail on it itself
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,6 +41,11 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _utf8(text: str | None) -> str | None:
+    """text with anything UTF-8 cannot encode (lone surrogates) written as escapes."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -81,6 +87,8 @@ def validation_error(errors) -> OpenAIError:
     if not errors:
         return bad_request("invalid request body")
     err = errors[0]
+    if err.get("type") == INVALID_UNICODE:
+        return bad_request(err.get("msg"), param=(err.get("ctx") or {}).get("param"), code="invalid_unicode")
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "), code="json_invalid")

@@ -1,4 +1,5 @@
-"""Runs the app under uvicorn with a graceful drain on SIGTERM/SIGINT."""
+"""Runs the app under uvicorn with a graceful drain on SIGTERM/SIGINT, and exits non-zero when the engine
+loop dies (in-flight requests have had their 503s; a supervisor restarts the process)."""
 from __future__ import annotations
 
 import asyncio
@@ -38,6 +39,11 @@ class _Server(uvicorn.Server):
         self.serving.draining = True
         super().handle_exit(sig, frame)
 
+    def engine_died(self, error) -> None:
+        """Engine thread: the loop stopped. Shut the server down (uvicorn polls should_exit)."""
+        logger.error("shutting down: %s", error)
+        self.should_exit = True
+
     def _abort_in_flight(self) -> None:
         if self.serving.live_calls:
             logger.warning("grace time over: aborting %d in-flight requests", len(self.serving.live_calls))
@@ -57,16 +63,18 @@ def _exit_cleanly_on_signals():
 
 
 def run_server(engine, config: ServerConfig, max_num_seqs: int) -> int:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then are aborted. Returns 0."""
+    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then are aborted. Returns 0,
+    or 1 when the server did not start or the engine loop died."""
     app = build_app(engine, config, max_num_seqs)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                access_log=False, timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_SLACK_S,
                                lifespan="off", ws="none")
     server = _Server(uv_config, app.state.serving)
+    engine.on_dead(lambda error: engine.died_of_bug and server.engine_died(error))
     logger.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
     try:
         with _exit_cleanly_on_signals():
             server.run()
     finally:
         engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.died_of_bug else 1

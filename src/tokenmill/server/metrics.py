@@ -66,9 +66,10 @@ class ServerMetrics:
         if m.first_token_time is not None and m.finished_time is not None:
             self.decode.labels(name).observe(m.finished_time - m.first_token_time)
 
-    def count_aborted(self, num_completions: int) -> None:
-        """Completions aborted because their client went away (no timings to observe)."""
-        self.success.labels(self.model_name, "abort").inc(num_completions)
+    def count_finished(self, num_completions: int, reason: str) -> None:
+        """Completions whose final output nobody observes: "abort" (their client went away) or "error"
+        (the engine failed their request)."""
+        self.success.labels(self.model_name, reason).inc(num_completions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,7 +85,9 @@ class EngineStatsCollector(Collector):
                 ("generation_tokens", "generation_tokens_total", "Output tokens generated"),
                 ("num_preemptions", "num_preemptions_total", "Requests preempted"),
                 ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
-                ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache"))
+                ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+                ("request_failures", "num_failed_requests_total",
+                 "Requests the engine ended with an error, each alone (the engine served on)"))
 
     def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
@@ -94,6 +97,10 @@ class EngineStatsCollector(Collector):
         return []   # dynamic: never describe, so registration does not call engine.stats()
 
     def collect(self):
+        dead = GaugeMetricFamily(PREFIX + "engine_dead", "1 once the engine loop has stopped; the server exits",
+                                 labels=["model_name"])
+        dead.add_metric([self.model_name], float(self.engine.dead is not None))
+        yield dead
         stats = self.engine.stats()
         for name, attr, doc in self.GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -1,19 +1,58 @@
 """OpenAI-compatible request and response bodies (pydantic).
 
 Requests are strict about types (`"max_tokens": "5"` or `true` is a 400, not coerced) and ignore unknown
-fields, as the OpenAI API does. Value ranges are checked once, by `SamplingParams`; the server adds only
-its own limits (n, logprobs, context window).
+fields, as the OpenAI API does. Every string anywhere in a body must be valid Unicode (a JSON escape of a
+lone surrogate such as "\\ud800" is not): else a 400 naming where it is. Value ranges are checked by
+`Serving.sampling_params` (OpenAI's ranges) and `SamplingParams` (what the engine computes); the server
+adds its own limits (n, logprobs, context window).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+INVALID_UNICODE = "invalid_unicode"   # the pydantic error type for a string that is not valid Unicode
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Body(_Request):
+    """A whole request body: its strings (values and keys, however deeply nested) are checked before the
+    fields are, so the error names the full path."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        path = invalid_unicode_path(data)
+        if path is not None:
+            where = ".".join(path) or "body"
+            raise PydanticCustomError(INVALID_UNICODE, "'{param}' is not valid Unicode text (it holds a lone "
+                                      "surrogate such as \\ud800); send UTF-8 text", {"param": where})
+        return data
+
+
+def invalid_unicode_path(value, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The path to the first string (or dict key) in a parsed JSON value that cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        return None if _encodable(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            key = str(key)
+            key_path = path + (key.encode("utf-8", "backslashreplace").decode("utf-8"),)
+            found = key_path if not _encodable(key) else invalid_unicode_path(item, key_path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = invalid_unicode_path(item, path + (str(i),))
+            if found is not None:
+                return found
+    return None
 
 
 class _Response(BaseModel):
@@ -37,7 +76,15 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
     model: str | None = None
     n: int = 1
@@ -98,7 +145,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None  # accepted only as {"type": "text"}
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -106,7 +153,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 

@@ -27,7 +27,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.resolve_max_tokens(len(prompt_ids), requested, param)
-    params = serving.sampling_params(req, max_tokens, num_logprobs)
+    params = serving.sampling_params(req, max_tokens, num_logprobs, [prompt_ids])
     call = serving.start(new_id("chatcmpl"), [prompt_ids], params)
     return await respond(_ChatWriter(serving, req, call), call.close, req.stream)
 
@@ -59,7 +59,18 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
     return serving.encode(text, add_special_tokens=False)
 
 
+# OpenAI's roles ("function" is its deprecated form of "tool"); only the assistant may leave content out
+# (a message that carries tool calls instead).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _plain_message(m: ChatMessage, i: int) -> dict:
+    if m.role not in CHAT_ROLES:
+        raise bad_request(f"messages[{i}].role: unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                          param=f"messages.{i}.role")
+    if m.content is None and m.role != "assistant":
+        raise bad_request(f"messages[{i}].content is required for a {m.role} message",
+                          param=f"messages.{i}.content")
     d = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
         texts = []

@@ -29,7 +29,7 @@ async def create_completion(serving: Serving, req: CompletionRequest) -> Respons
     prompts = _parse_prompts(serving, req.prompt)
     serving.check_logprobs(req.logprobs, "logprobs")
     max_tokens = min(serving.resolve_max_tokens(len(p), req.max_tokens, "max_tokens") for p in prompts.token_ids)
-    params = serving.sampling_params(req, max_tokens, req.logprobs)
+    params = serving.sampling_params(req, max_tokens, req.logprobs, prompts.token_ids)
     call = serving.start(new_id("cmpl"), prompts.token_ids, params)
     return await respond(_CompletionWriter(serving, req, prompts, call), call.close, req.stream)
 

@@ -14,12 +14,20 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from tokenmill.engine.errors import EngineDeadError, RequestFailedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import OpenAIError, bad_request, from_value_error
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+
+
+OPENAI_MAX_TEMPERATURE = 2.0   # OpenAI's range is [0, 2]; SamplingParams alone allows up to MAX_TEMPERATURE
+
+
+def engine_dead_error(e: EngineDeadError) -> OpenAIError:
+    return OpenAIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead")
 
 
 def new_id(prefix: str) -> str:
@@ -89,6 +97,8 @@ class Serving:
                               param="model", code="model_not_found")
 
     def check_accepting(self) -> None:
+        if self.engine.dead is not None:
+            raise engine_dead_error(self.engine.dead)
         if self.draining:
             raise OpenAIError(503, "server is shutting down", code="shutting_down")
 
@@ -123,12 +133,18 @@ class Serving:
         return max_tokens
 
     # ------------------------------------------------------------------------------ sampling params
-    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompts: list[list[int]]) -> SamplingParams:
+        """The request's SamplingParams, checked against OpenAI's ranges, the server's limits and what the
+        engine can compute for these prompts; a 400 naming the field otherwise."""
         if not 1 <= req.n <= self.config.max_n:
             raise bad_request(f"invalid value for 'n': expected an integer in [1, {self.config.max_n}], "
                               f"got {req.n}", param="n")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        if req.temperature is not None and not 0.0 <= req.temperature <= OPENAI_MAX_TEMPERATURE:
+            raise bad_request(f"invalid value for 'temperature': expected a number in [0, {OPENAI_MAX_TEMPERATURE:g}], "
+                              f"got {req.temperature!r}", param="temperature")
         values = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                       repetition_penalty=req.repetition_penalty, seed=req.seed, stop=_as_tuple(req.stop),
@@ -136,9 +152,12 @@ class Serving:
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs)
         try:
-            return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+            params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
+            for num_prompt_tokens in sorted({len(ids) for ids in prompts}):
+                self.engine.check_request(num_prompt_tokens, params)
         except ValueError as e:
             raise from_value_error(e) from None
+        return params
 
     def check_logprobs(self, value: int | None, param: str) -> None:
         limit = self.config.max_logprobs
@@ -216,13 +235,16 @@ class EngineCall:
                     self.unfinished.discard(engine_id)
                     self.final[i] = out
                 yield out
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             self.unfinished.discard(engine_id)
             raise from_value_error(e) from None
-        except RuntimeError as e:   # EngineDeadError: the engine thread has stopped
+        except RequestFailedError as e:   # this request alone failed in the engine; the engine serves on
             self.unfinished.discard(engine_id)
-            raise OpenAIError(503, f"the engine is not running: {e}", type="server_error",
-                              code="engine_dead") from None
+            self.serving.metrics.count_finished(self.params.n, "error")
+            raise OpenAIError(500, str(e), type="server_error", code="request_failed") from None
+        except EngineDeadError as e:
+            self.unfinished.discard(engine_id)
+            raise engine_dead_error(e) from None
 
     async def close(self) -> None:
         if self.closed:
@@ -234,7 +256,7 @@ class EngineCall:
             for engine_id in list(self.unfinished):
                 self.unfinished.discard(engine_id)
                 await self.serving.engine.abort(engine_id)
-                self.serving.metrics.count_aborted(self.params.n)   # nobody reads their final output
+                self.serving.metrics.count_finished(self.params.n, "abort")   # nobody reads their final output
 
     def usage(self) -> Usage:
         """Usage over the final outputs (prompt tokens once per prompt, every generated token)."""
