@@ -67,13 +67,16 @@ async def _exchange(reader, writer, head, payload, hangup, trickle_s, read_delay
     await _send_body(writer, payload, trickle_s)
     if hangup == "request-sent":
         return RawResponse()
-    status_line = await reader.readline()
-    response = RawResponse(status=int(status_line.split()[1]) if status_line else None)
-    if hangup == "status-line" or response.status is None:
-        return response
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        key, _, value = line.decode("latin-1").partition(":")
-        response.headers[key.strip().lower()] = value.strip()
+    while True:
+        status_line = await reader.readline()
+        response = RawResponse(status=int(status_line.split()[1]) if status_line else None)
+        if hangup == "status-line" or response.status is None:
+            return response
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            response.headers[key.strip().lower()] = value.strip()
+        if not 100 <= response.status < 200:     # an interim response (100 Continue): the real one follows
+            break
     response.body = await _read_body(reader, response, hangup, read_delay_s)
     return response
 

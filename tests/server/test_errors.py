@@ -99,3 +99,16 @@ def test_open_endpoints_need_no_key(server):
 def test_server_still_serves_after_errors(server):
     r = httpx.post(server.url + CMPL, json=_c(), headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_a_response_sent_before_the_body_was_read_still_arrives(server):
+    """401 and 405 are answered without parsing the body: its unread rest is drained first, else closing the
+    connection on unread bytes resets it and the client sees a reset instead of the response."""
+    import asyncio
+    import json
+
+    from . import rawhttp
+    body = json.dumps({"prompt": "x" * 60000}).encode()
+    for method, path, headers, status in (("POST", CMPL, {}, 401), ("DELETE", "/health", AUTH, 405)):
+        r = asyncio.run(rawhttp.request(server.port, method, path, body, headers, trickle_s=0.02))
+        assert r.status == status and r.json()["error"]["message"]

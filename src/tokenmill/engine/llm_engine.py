@@ -236,7 +236,7 @@ class LLMEngine:
             c.metrics.num_preemptions = c.request.num_preemptions
             if not c.detok.finished:
                 self._release_held_text(state, c)
-        del self.requests[state.request_id]
+        self.requests.pop(state.request_id, None)      # absent when a failed first try is finished again
         for c in state.completions:
             self.child_to_parent.pop(c.request.request_id, None)
         return self._make_output(state, finished=True)

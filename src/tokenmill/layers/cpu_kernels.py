@@ -11,6 +11,7 @@ machine: a few tens of seconds; later starts load the cached library in well und
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -35,6 +36,24 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def _exclusive(build_dir: str):
+    """One build per directory at a time, by an flock the OS releases when its holder dies. torch's own
+    lock file ("lock") outlives a build that was killed and then blocks every later start forever; while
+    we hold the flock, no live build owns one, so a leftover is removed."""
+    import fcntl
+    with open(os.path.join(build_dir, "tokenmill.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("tokenmill: removing %s, left by a kernel build that did not finish", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load():
     if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
@@ -54,9 +73,10 @@ def load():
         root = os.environ.get("TOKENMILL_CACHE_DIR", os.path.expanduser("~/.cache/tokenmill"))
         build_dir = os.path.join(root, "kernels", f"cpu-{_cpu_tag()}-{src_hash}")
         os.makedirs(build_dir, exist_ok=True)
-        return build(name=f"tokenmill_cpu_{src_hash}", sources=SOURCES, build_directory=build_dir,
-                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     verbose=False)
+        with _exclusive(build_dir):
+            return build(name=f"tokenmill_cpu_{src_hash}", sources=SOURCES, build_directory=build_dir,
+                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                         verbose=False)
     except Exception as e:  # no compiler or ninja: the torch path is used instead
         logger.warning("tokenmill: native CPU attention kernel unavailable (%s); using the torch path",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -56,6 +56,9 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
     except Exception as e:  # noqa: BLE001 - template errors come from the request's content
         raise bad_request(f"could not apply the chat template to messages: {type(e).__name__}: {e}",
                           param="messages") from None
+    if not isinstance(text, str):   # chat_template_kwargs asked the tokenizer for something else
+        raise bad_request(f"chat_template_kwargs made the chat template return {type(text).__name__}, not text",
+                          param="chat_template_kwargs")
     return serving.encode(text, add_special_tokens=False)
 
 
