@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 import httpx
 import pytest
@@ -143,6 +144,38 @@ def test_text_that_is_not_unicode_is_400_naming_the_field(server, path, body, pa
 def test_chat_messages_are_checked_like_openai_does(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 2}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(roomy_server):
+    r = httpx.post(roomy_server.url + "/v1/completions", json={"prompt": "1" * 7_000_000, "max_tokens": 1},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "bytes" in r.json()["error"]["message"]
+
+
+def test_tokenizing_a_huge_text_does_not_stall_other_clients(roomy_server):
+    """/tokenize of megabytes takes seconds, in a worker thread: a /health sent meanwhile is answered at once,
+    not after it (it waited for all of it when tokenizing ran on the event loop)."""
+    async def run():
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+            start = time.perf_counter()
+            tokenize = asyncio.ensure_future(client.post(roomy_server.url + "/tokenize",
+                                                         json={"prompt": "12 " * 2_000_000}))
+            await asyncio.sleep(3.0)               # the body is in and tokenizing has begun
+            sent = time.perf_counter()
+            health = await client.get(roomy_server.url + "/health")
+            health_s = time.perf_counter() - sent
+            assert (await tokenize).status_code == 200 and health.status_code == 200
+            return health_s, time.perf_counter() - start
+    health_s, tokenize_s = asyncio.run(run())
+    assert health_s < tokenize_s / 4, (health_s, tokenize_s)
+
+
+def test_a_request_may_not_replace_the_chat_template(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}{% endfor %}"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.chat_template", r.text
 
 
 def test_trailing_slash_is_a_404_not_a_redirect(server):

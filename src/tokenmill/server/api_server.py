@@ -18,7 +18,7 @@ from tokenmill.server.middleware import RequestGuard
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_completion import create_completion
-from tokenmill.server.serving_engine import Admission, Serving
+from tokenmill.server.serving_engine import Admission, Serving, in_thread
 from tokenmill.server.serving_tokenize import detokenize, list_models, tokenize
 from tokenmill.server.streaming import until_disconnect
 
@@ -78,7 +78,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/tokenize")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
-    return _json(tokenize(_serving(request), body))
+    return _json(await in_thread(tokenize, _serving(request), body))
 
 
 @router.post("/detokenize")

@@ -30,7 +30,7 @@ class _Body(_Request):
     def _valid_unicode(cls, data):
         path = invalid_unicode_path(data)
         if path is not None:
-            where = ".".join(path) or "body"
+            where = ".".join(part or '""' for part in path) or "body"
             raise PydanticCustomError(INVALID_UNICODE, "'{param}' is not valid Unicode text (it holds a lone "
                                       "surrogate such as \\ud800); send UTF-8 text", {"param": where})
         return data

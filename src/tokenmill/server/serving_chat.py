@@ -11,14 +11,15 @@ from tokenmill.server.errors import OpenAIError, bad_request
 from tokenmill.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatStreamChoice,
                                        DeltaMessage, TokenLogprob, TopLogprob)
-from tokenmill.server.serving_engine import EngineCall, Serving, logprob_token_text, new_id
+from tokenmill.server.serving_engine import EngineCall, Serving, in_thread, logprob_token_text, new_id
 from tokenmill.server.streaming import DONE, respond, sse
 
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -> Response:
     serving.check_model(req.model)
     _reject_unsupported(req)
-    prompt_ids = render_chat(serving, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt_ids = await in_thread(render_chat, serving, req.messages, req.add_generation_prompt,
+                                 req.chat_template_kwargs, True)
     if req.top_logprobs is not None:
         serving.check_logprobs(req.top_logprobs, "top_logprobs")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -43,13 +44,17 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
 
 
 def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict | None = None) -> list[int]:
-    """Messages -> prompt token ids through the tokenizer's chat template (the template adds BOS if any)."""
+                template_kwargs: dict | None = None, fit_context: bool = False) -> list[int]:
+    """Messages -> prompt token ids through the tokenizer's chat template (the template adds BOS if any).
+    fit_context: see Serving.encode."""
     tokenizer = serving.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(f"model '{serving.model_name}' has no chat template; use /v1/completions",
                           param="messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    if template_kwargs and "chat_template" in template_kwargs:   # arbitrary Jinja: unbounded time and memory
+        raise bad_request("chat_template_kwargs may not replace the server's chat template ('chat_template')",
+                          param="chat_template_kwargs.chat_template")
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **(template_kwargs or {}))
@@ -59,7 +64,7 @@ def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_pr
     if not isinstance(text, str):   # chat_template_kwargs asked the tokenizer for something else
         raise bad_request(f"chat_template_kwargs made the chat template return {type(text).__name__}, not text",
                           param="chat_template_kwargs")
-    return serving.encode(text, add_special_tokens=False)
+    return serving.encode(text, add_special_tokens=False, fit_context=fit_context)
 
 
 # OpenAI's roles ("function" is its deprecated form of "tool"); only the assistant may leave content out

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from tokenmill.outputs import CompletionOutput, TokenLogprobs
 from tokenmill.server.errors import OpenAIError, bad_request
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from tokenmill.server.serving_engine import EngineCall, Serving, logprob_token_text, new_id
+from tokenmill.server.serving_engine import EngineCall, Serving, in_thread, logprob_token_text, new_id
 from tokenmill.server.streaming import DONE, respond, sse
 
 
@@ -26,7 +26,7 @@ class _Prompts:
 async def create_completion(serving: Serving, req: CompletionRequest) -> Response:
     serving.check_model(req.model)
     _reject_unsupported(req)
-    prompts = _parse_prompts(serving, req.prompt)
+    prompts = await in_thread(_parse_prompts, serving, req.prompt)
     serving.check_logprobs(req.logprobs, "logprobs")
     max_tokens = min(serving.resolve_max_tokens(len(p), req.max_tokens, "max_tokens") for p in prompts.token_ids)
     params = serving.sampling_params(req, max_tokens, req.logprobs, prompts.token_ids)
@@ -46,11 +46,11 @@ def _reject_unsupported(req: CompletionRequest) -> None:
 
 def _parse_prompts(serving: Serving, prompt) -> _Prompts:
     if isinstance(prompt, str):
-        return _Prompts([serving.encode(prompt)], [prompt])
+        return _Prompts([serving.encode(prompt, fit_context=True)], [prompt])
     if len(prompt) == 0:
         raise bad_request("prompt must not be an empty list", param="prompt")
     if isinstance(prompt[0], str):
-        return _Prompts([serving.encode(p) for p in prompt], list(prompt))
+        return _Prompts([serving.encode(p, fit_context=True) for p in prompt], list(prompt))
     if isinstance(prompt[0], int):
         serving.check_token_ids(prompt, "prompt")
         return _Prompts([list(prompt)], [None])

@@ -8,6 +8,8 @@ that have not finished, which frees their KV blocks, and gives the admission slo
 from __future__ import annotations
 
 import asyncio
+import functools
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +26,11 @@ from tokenmill.server.protocol import PromptTokensDetails, SamplingRequest, Usag
 
 
 OPENAI_MAX_TEMPERATURE = 2.0   # OpenAI's range is [0, 2]; SamplingParams alone allows up to MAX_TEMPERATURE
+
+
+async def in_thread(fn, *args):
+    """fn(*args) in a worker thread (CPU-heavy request preparation: tokenizing, chat templates)."""
+    return await anyio.to_thread.run_sync(fn, *args)
 
 
 def engine_dead_error(e: EngineDeadError) -> OpenAIError:
@@ -103,8 +110,29 @@ class Serving:
             raise OpenAIError(503, "server is shutting down", code="shutting_down")
 
     # ------------------------------------------------------------------------------------- prompts
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    # Handlers run tokenization and chat templates in a worker thread (`in_thread`): the tokenizer releases
+    # the GIL, so a megabyte prompt never stalls the event loop (and every other client) for seconds.
+    def encode(self, text: str, add_special_tokens: bool = True, fit_context: bool = False) -> list[int]:
+        """Token ids of `text`. fit_context: a text too long to leave room for one output token in the
+        context window is a 400 before it is tokenized at all (see max_prompt_bytes)."""
+        if fit_context and len(text) > self.max_prompt_bytes // 4 and len(text.encode("utf-8")) > self.max_prompt_bytes:
+            limit = self.engine.max_model_len
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt is "
+                              f"{len(text.encode('utf-8'))} bytes, more than {limit - 1} tokens of this "
+                              f"tokenizer can hold", param="prompt", code="context_length_exceeded")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int:
+        """Most UTF-8 bytes of text that max_model_len - 1 tokens can cover: the longest token's bytes
+        (its piece as the vocabulary spells it, never shorter than the text it stands for) times the
+        tokens. Only a tokenizer that does not normalize text can shrink it below that; for one that
+        does, no bound (sys.maxsize)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return sys.maxsize
+        longest = max(len(piece.encode("utf-8")) for piece in backend.get_vocab())
+        return longest * (self.engine.max_model_len - 1)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = len(self.tokenizer)
