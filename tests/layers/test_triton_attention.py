@@ -1,0 +1,99 @@
+"""The Triton paged attention kernels against the reference backend, on small shapes: block boundaries,
+partial blocks, grouped-query heads, several sequences, scattered block tables, context splits. On a
+machine without a GPU they run under Triton's interpreter (TRITON_INTERPRET=1); with one, on the GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before triton is imported: kernels run on the CPU
+triton = pytest.importorskip("triton")
+
+from tokenmill.layers.attention import AttentionMetadata, SeqSpan, get_backend  # noqa: E402
+from tokenmill.layers.attention.triton_kernels import (paged_decode_attention,  # noqa: E402
+                                                       paged_prefill_attention)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cache(num_kv_heads, head_dim, block_size, num_blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_kv_heads, num_blocks * block_size, head_dim)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g), g
+
+
+def _tables(context_lens, block_size, num_blocks, g):
+    """A block table per sequence, blocks drawn without repetition in scattered order; padded with -1."""
+    need = [-(-n // block_size) for n in context_lens]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(context_lens), max(need)), -1, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    return tables
+
+
+def _reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale):
+    seqs = []
+    for i, (start, qlen, clen) in enumerate(zip(starts, query_lens, context_lens)):
+        pos = torch.arange(clen)
+        slots = tables[i, pos // block_size].long() * block_size + pos % block_size
+        seqs.append(SeqSpan(start, qlen, clen, slots))
+    new_slots = torch.cat([s.context_slots[s.context_len - s.query_len:] for s in seqs])
+    meta = AttentionMetadata(slot_mapping=new_slots, seqs=seqs)
+    k_new, v_new = k_cache[:, new_slots].transpose(0, 1), v_cache[:, new_slots].transpose(0, 1)   # no-op write
+    out = get_backend("reference").forward(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta, scale)
+    return out.view(q.shape)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 3)])
+@pytest.mark.parametrize("context_lens,num_splits", [([1], None), ([8, 9, 16, 17], None), ([40, 3, 64], 3),
+                                                     ([100], 7)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_kernel_matches_the_reference(kv_heads, group, context_lens, num_splits, block_size):
+    head_dim, num_blocks = 64, 40
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=sum(context_lens) + group)
+    tables = _tables(context_lens, block_size, num_blocks, g)
+    q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    ref = _reference(q, k_cache, v_cache, tables, list(range(len(context_lens))), [1] * len(context_lens),
+                     context_lens, block_size, scale)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                                 lens.to(DEVICE), block_size, scale, num_splits=num_splits)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 4)])
+@pytest.mark.parametrize("chunks", [[(0, 5)], [(0, 16), (0, 17)], [(7, 9), (0, 33), (30, 2)], [(16, 20)]])
+def test_prefill_kernel_matches_the_reference(kv_heads, group, chunks):
+    """chunks: (start position, new tokens) per sequence; a start > 0 is a continuation chunk whose prefix
+    is already cached."""
+    head_dim, block_size, num_blocks = 64, 8, 30
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=len(chunks) * 10 + group)
+    query_lens = [n for _, n in chunks]
+    context_lens = [s + n for s, n in chunks]
+    starts = [sum(query_lens[:i]) for i in range(len(chunks))]
+    tables = _tables(context_lens, block_size, num_blocks, g)
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    ref = _reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = paged_prefill_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                                  as_tensor(starts), as_tensor(query_lens), as_tensor(context_lens), block_size,
+                                  scale, max(query_lens))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_shapes_are_a_clear_error():
+    q = torch.randn(1, 3, 64)
+    k = torch.randn(2, 16, 64)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        paged_decode_attention(q, k, k, torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                               8, 0.1)
+    with pytest.raises(ValueError, match="power-of-two"):
+        paged_decode_attention(torch.randn(1, 2, 64), k, k, torch.zeros(1, 2, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), 6, 0.1)
