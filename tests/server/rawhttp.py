@@ -25,7 +25,8 @@ class RawResponse:
         return [line[6:] for line in self.body.decode("utf-8", "replace").splitlines() if line.startswith("data: ")]
 
 
-def build_request(method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None) -> tuple[bytes, bytes]:
+def build_request(method: str, path: str, body: bytes | None,
+                  headers: dict[str, str] | None = None) -> tuple[bytes, bytes]:
     """(head, body) bytes of one request; Content-Length set unless given, Connection: close."""
     head = {"Host": "127.0.0.1", "Connection": "close"}
     if body is not None:

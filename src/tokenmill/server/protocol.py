@@ -36,23 +36,32 @@ class _Body(_Request):
         return data
 
 
-def invalid_unicode_path(value, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
-    """The path to the first string (or dict key) in a parsed JSON value that cannot be encoded as UTF-8."""
-    if isinstance(value, str):
-        return None if _encodable(value) else path
-    if isinstance(value, dict):
-        for key, item in value.items():
-            key = str(key)
-            key_path = path + (key.encode("utf-8", "backslashreplace").decode("utf-8"),)
-            found = key_path if not _encodable(key) else invalid_unicode_path(item, key_path)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = invalid_unicode_path(item, path + (str(i),))
-            if found is not None:
-                return found
+def invalid_unicode_path(value) -> tuple[str, ...] | None:
+    """The path to a string (or dict key) in a parsed JSON value that cannot be encoded as UTF-8, or None.
+    Iterative: a body nested as deeply as the JSON parser allows must not exhaust the stack here."""
+    stack: list[tuple[tuple[str, ...], object]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return path
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                key_path = path + (str(key).encode("utf-8", "backslashreplace").decode("utf-8"),)
+                if not _encodable(str(key)):
+                    return key_path
+                stack.append((key_path, sub))
+        elif isinstance(item, list):
+            stack.extend((path + (str(i),), sub) for i, sub in enumerate(item))
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Response(BaseModel):
@@ -74,14 +83,6 @@ class ErrorResponse(_Response):
 # --------------------------------------------------------------------------------------------- requests
 class StreamOptions(_Request):
     include_usage: bool = False
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class SamplingRequest(_Body):

@@ -115,11 +115,13 @@ class Serving:
     def encode(self, text: str, add_special_tokens: bool = True, fit_context: bool = False) -> list[int]:
         """Token ids of `text`. fit_context: a text too long to leave room for one output token in the
         context window is a 400 before it is tokenized at all (see max_prompt_bytes)."""
-        if fit_context and len(text) > self.max_prompt_bytes // 4 and len(text.encode("utf-8")) > self.max_prompt_bytes:
-            limit = self.engine.max_model_len
-            raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt is "
-                              f"{len(text.encode('utf-8'))} bytes, more than {limit - 1} tokens of this "
-                              f"tokenizer can hold", param="prompt", code="context_length_exceeded")
+        if fit_context and len(text) > self.max_prompt_bytes // 4:     # UTF-8 takes at most 4 bytes a character
+            num_bytes = len(text.encode("utf-8"))
+            if num_bytes > self.max_prompt_bytes:
+                limit = self.engine.max_model_len
+                raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt is "
+                                  f"{num_bytes} bytes, more than {limit - 1} tokens of this tokenizer can hold",
+                                  param="prompt", code="context_length_exceeded")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     @functools.cached_property
