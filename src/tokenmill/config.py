@@ -157,7 +157,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
-    attention_backend: str = "cpu"           # "cpu" (fast) or "reference"
+    attention_backend: str = "cpu"           # "cpu" (fast), "reference" or "triton" (the CUDA path's kernels)
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
     quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
     native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
@@ -177,7 +177,7 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference"])
+        g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference", "triton"])
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                        help="weight quantization of every linear layer (default: none, fp32)")

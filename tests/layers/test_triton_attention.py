@@ -78,7 +78,8 @@ def test_prefill_kernel_matches_the_reference(kv_heads, group, chunks):
     context_lens = [s + n for s, n in chunks]
     starts = [sum(query_lens[:i]) for i in range(len(chunks))]
     tables = _tables(context_lens, block_size, num_blocks, g)
-    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    # a view into a wider tensor, as q is a slice of the fused qkv projection
+    q = torch.randn(sum(query_lens), kv_heads * group + 2, head_dim, generator=g)[:, :kv_heads * group]
     scale = head_dim ** -0.5
     ref = _reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
@@ -97,3 +98,23 @@ def test_bad_shapes_are_a_clear_error():
     with pytest.raises(ValueError, match="power-of-two"):
         paged_decode_attention(torch.randn(1, 2, 64), k, k, torch.zeros(1, 2, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 6, 0.1)
+
+
+def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_dir):
+    """End to end on a tiny model: decodes, prefill chunks split by a small token budget (continuations
+    over a cached prefix), prefix-cache hits on the second pass; same tokens and logprobs as the reference."""
+    from tokenmill import LLM, SamplingParams
+    prompts = ["a short one", "a somewhat longer prompt that the small token budget prefills in chunks " * 2,
+               [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    options = dict(kv_cache_memory_bytes=4 << 20, block_size=8, max_num_batched_tokens=24)
+    results = {}
+    for backend in ("reference", "triton"):
+        llm = LLM(tiny_model_dir, attention_backend=backend, **options)
+        results[backend] = [llm.generate(prompts, params) for _ in range(2)]      # the second pass hits the cache
+        assert llm.engine.stats().prefix_cache_hits_total > 0
+    for ref_pass, tri_pass in zip(results["reference"], results["triton"]):
+        for ref, tri in zip(ref_pass, tri_pass):
+            assert tri.outputs[0].token_ids == ref.outputs[0].token_ids
+            for a, b in zip(tri.outputs[0].logprobs, ref.outputs[0].logprobs):
+                assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-4

@@ -65,7 +65,9 @@ def load():
         bin_dir = os.path.dirname(sys.executable)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        digest = hashlib.sha256()
+        # keyed by the sources' place too: ninja rebuilds when they move, and a rebuild into a directory
+        # another checkout's processes load from would replace a library under them
+        digest = hashlib.sha256(CSRC.encode())
         for path in SOURCES + HEADERS:
             with open(path, "rb") as f:
                 digest.update(f.read())

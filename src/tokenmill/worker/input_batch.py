@@ -41,14 +41,14 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
         if n == 1:
             decode_rows.append(row)
             decode_idx.append(i)
-    slots = _slot_table(tables, block_size)      # [requests, most blocks * block_size]
+    blocks, slots = _slot_table(tables, block_size)   # [requests, most blocks], [requests, that * block_size]
     spans = [SeqSpan(row, n, ctx, slots[i, :ctx]) for i, (row, n, ctx) in enumerate(rows)]
     if len(decode_rows) == len(spans):           # decodes only: each request's last context slot
         lens = torch.tensor([ctx for _, _, ctx in rows], dtype=torch.long)
         slot_mapping = slots.gather(1, (lens - 1).unsqueeze(1)).view(-1)
     else:
         slot_mapping = torch.cat([s.context_slots[s.context_len - s.query_len:] for s in spans])
-    meta = AttentionMetadata(slot_mapping=slot_mapping, seqs=spans)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, seqs=spans, block_size=block_size, block_tables=blocks)
     if decode_rows:
         _add_decode_tables(meta, spans, slots, decode_rows, decode_idx)
     if len(decode_rows) < len(spans):
@@ -57,13 +57,14 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
                       torch.tensor(sample_rows, dtype=torch.long), sample_idx)
 
 
-def _slot_table(tables: list[list[int]], block_size: int) -> torch.Tensor:
-    """Block tables -> [requests, most blocks * block_size] int64 cache slots of positions 0.. of each request
-    (rows past a request's blocks hold block 0's slots: valid, never attended to). One tensor op for the
-    step, not one per request."""
+def _slot_table(tables: list[list[int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables -> ([requests, most blocks] int64 block ids padded with block 0, [requests, most blocks *
+    block_size] int64 cache slots of positions 0.. of each request; rows past a request's blocks hold block
+    0's slots: valid, never attended to). One tensor op for the step, not one per request."""
     width = max(len(t) for t in tables)
     blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    return (blocks.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(tables), width * block_size)
+    slots = (blocks.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(tables), width * block_size)
+    return blocks, slots
 
 
 def _add_decode_tables(meta: AttentionMetadata, spans, slots: torch.Tensor, decode_rows, decode_idx) -> None:

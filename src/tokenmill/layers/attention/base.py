@@ -33,6 +33,9 @@ class AttentionMetadata:
     # multi-token queries (prefill chunks), batched for native kernels; None when there are none
     prefill_spans: torch.Tensor | None = None  # [P, 3] int64: query_start, query_len, context_len of each
     prefill_slots: torch.Tensor | None = None  # [P, max_context] int64 context slots (any valid slot past a context)
+    # the block tables themselves, for kernels that page through blocks (Triton); 0 / None when not built
+    block_size: int = 0
+    block_tables: torch.Tensor | None = None   # [num_seqs, most blocks] int64, batch order, padded with block 0
 
 
 class AttentionBackend:

@@ -105,7 +105,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_tables.stride(0), scale, num_splits, blocks_per_split, GROUP=group,
         GROUP_P=triton.next_power_of_2(group), D=head_dim, BLOCK=block_size)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(num_seqs, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads, num_splits,
                                                 SPLITS_P=triton.next_power_of_2(num_splits), D=head_dim)
     return out
@@ -113,7 +113,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctxlens_ptr,
-                    stride_qt, stride_qh, stride_kh, stride_ks, stride_tb, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_tb, scale,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
@@ -152,7 +152,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -165,10 +165,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     sequences not listed are left as they are. Returns [T, H, D] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     _check_shapes(q, k_cache, v_cache, block_tables, block_size)
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     grid = (query_starts.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_starts, query_lens, context_lens,
-                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                          block_tables.stride(0),
                           scale, GROUP=num_heads // k_cache.shape[0], D=head_dim, BLOCK_SIZE=block_size,
                           BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N)
     return out
