@@ -66,6 +66,15 @@ def tiny_model_dir(tiny_model_factory) -> str:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _native_kernels_built():
+    """Build (or load) the native kernels once, in this process, before any test starts a server: a server
+    process that had to build them itself (tens of seconds on 2 cores) could miss its start-up deadline."""
+    from tokenmill.layers import cpu_kernels
+    cpu_kernels.load()
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _small_torch_threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     yield
