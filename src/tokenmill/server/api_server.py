@@ -91,7 +91,7 @@ def build_app(engine, config: ServerConfig, max_num_seqs: int) -> FastAPI:
     app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None,
                   strict_content_type=False,   # a JSON body without a Content-Type is still JSON
                   redirect_slashes=False)      # /v1/completions/ is a 404, not a 307 clients do not follow
-    metrics_ = ServerMetrics(engine, engine.model_name)
+    metrics_ = ServerMetrics(engine, engine.model_name, config.metrics_prefix)
     app.state.serving = Serving(engine=engine, config=config, metrics=metrics_,
                                 admission=Admission(engine, max_num_seqs, config))
     app.include_router(router)

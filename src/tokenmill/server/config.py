@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 
 from tokenmill.sampling_params import MAX_LOGPROBS
@@ -19,6 +20,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0           # on SIGTERM/SIGINT: time to finish in-flight requests
     retry_after_s: int = 1                   # Retry-After header of a 429
     log_level: str = "info"
+    metrics_prefix: str = "tokenmill:"      # of every /metrics name; "vllm:" serves vLLM's names as they are
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "log_level", self.log_level.lower())
@@ -30,6 +32,9 @@ class ServerConfig:
         _at_least("max_request_body_bytes", self.max_request_body_bytes, 1)
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if not _METRIC_PREFIX.fullmatch(self.metrics_prefix):
+            raise ValueError(f"metrics_prefix must start a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
+                             f"got {self.metrics_prefix!r}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
@@ -47,6 +52,8 @@ class ServerConfig:
                        help="largest logprobs / top_logprobs a request may ask for")
         g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
                        help="larger request bodies get 413")
+        g.add_argument("--metrics-prefix", default="tokenmill:",
+                       help="prefix of every /metrics name (e.g. 'vllm:' for gateways that read vLLM's names)")
         g.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time to finish in-flight requests before aborting them")
         # SUPPRESS: `tokenmill --log-level X serve` keeps the main CLI's value.
@@ -56,6 +63,9 @@ class ServerConfig:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerConfig":
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+_METRIC_PREFIX = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?")   # empty: the bare names
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under the `tokenmill:` prefix, in a per-app registry.
+"""Prometheus metrics with vLLM's names under the `tokenmill:` prefix (`--metrics-prefix vllm:` gives gateways
+that read vLLM's names exactly those), in a per-app registry.
 
 Latency histograms are observed by the server when a completion finishes, from the engine's
 `RequestMetrics` (perf_counter seconds). Gauges and engine-wide counters are read from
@@ -13,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from tokenmill.outputs import CompletionOutput
 
-PREFIX = "tokenmill:"
+PREFIX = "tokenmill:"   # the default; ServerConfig.metrics_prefix sets another
 
 # Buckets as in vLLM (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -27,13 +28,13 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class ServerMetrics:
     """Owns the app's registry; `observe_finished` records one finished completion."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, prefix: str = PREFIX) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=self.registry)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens (s)", ITL_BUCKETS)
@@ -41,9 +42,9 @@ class ServerMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (s)", REQUEST_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token (s)", REQUEST_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to finish (s)", REQUEST_BUCKETS)
-        self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason",
+        self.success = Counter(prefix + "request_success", "Finished completions by finish reason",
                                labels + ["finished_reason"], registry=self.registry)
-        self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineStatsCollector(engine, model_name, prefix))
 
     def observe_finished(self, completion: CompletionOutput) -> None:
         reason = completion.finish_reason or "unknown"
@@ -89,24 +90,25 @@ class EngineStatsCollector(Collector):
                 ("request_failures", "num_failed_requests_total",
                  "Requests the engine ended with an error, each alone (the engine served on)"))
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, prefix: str = PREFIX) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.prefix = prefix
 
     def describe(self):
         return []   # dynamic: never describe, so registration does not call engine.stats()
 
     def collect(self):
-        dead = GaugeMetricFamily(PREFIX + "engine_dead", "1 once the engine loop has stopped; the server exits",
+        dead = GaugeMetricFamily(self.prefix + "engine_dead", "1 once the engine loop has stopped; the server exits",
                                  labels=["model_name"])
         dead.add_metric([self.model_name], float(self.engine.dead is not None))
         yield dead
         stats = self.engine.stats()
         for name, attr, doc in self.GAUGES:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], float(getattr(stats, attr)))
             yield g
         for name, attr, doc in self.COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, attr)))
             yield c
