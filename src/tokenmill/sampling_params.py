@@ -40,6 +40,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None             # top-k logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
+    # Latency targets (MLPerf's definitions, from arrival): TTFT and per-request TPOT. The server counts
+    # whether each request met them (goodput); None: no target.
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         # stop: a str, None or any iterable of str becomes a tuple; stop_token_ids: None or iterable.
@@ -81,6 +85,10 @@ class SamplingParams:
         _int_at_least("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("ttft_target_ms", "tpot_target_ms"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and 0.0 < value < math.inf):
+                _fail(name, value, "a number of milliseconds > 0, or None for no target")
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:

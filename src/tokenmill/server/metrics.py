@@ -13,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import CompletionOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.goodput import GoodputTracker
 
 PREFIX = "tokenmill:"   # the default; ServerConfig.metrics_prefix sets another
 
@@ -44,14 +46,18 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token to finish (s)", REQUEST_BUCKETS)
         self.success = Counter(prefix + "request_success", "Finished completions by finish reason",
                                labels + ["finished_reason"], registry=self.registry)
+        self.goodput = GoodputTracker(self.registry, model_name, prefix)
         self.registry.register(EngineStatsCollector(engine, model_name, prefix))
 
-    def observe_finished(self, completion: CompletionOutput) -> None:
+    def observe_finished(self, completion: CompletionOutput, params: SamplingParams | None = None) -> None:
+        """One finished completion; `params` (its request's) carry the latency targets it is judged by."""
         reason = completion.finish_reason or "unknown"
         self.success.labels(self.model_name, reason).inc()
         m = completion.metrics
         if m is None:
             return
+        if params is not None:
+            self.goodput.observe(completion, params)
         name = self.model_name
         if m.first_token_time is not None:
             self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)

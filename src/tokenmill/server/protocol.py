@@ -106,6 +106,8 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None   # accepted only when empty
+    ttft_target_ms: float | None = None          # latency targets (default: the server's SLO class)
+    tpot_target_ms: float | None = None
     user: str | None = None
 
     @property

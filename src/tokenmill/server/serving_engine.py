@@ -180,7 +180,9 @@ class Serving:
                       repetition_penalty=req.repetition_penalty, seed=req.seed, stop=_as_tuple(req.stop),
                       stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                       min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs)
+                      skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
+                      ttft_target_ms=_first(req.ttft_target_ms, self.config.slo_ttft_ms),
+                      tpot_target_ms=_first(req.tpot_target_ms, self.config.slo_tpot_ms))
         try:
             params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
             for num_prompt_tokens in sorted({len(ids) for ids in prompts}):
@@ -203,6 +205,10 @@ class Serving:
         call = EngineCall(self, request_id, prompts, params, num_seqs)
         self.live_calls.add(call)
         return call
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
 
 
 def _as_tuple(stop: str | list[str] | None) -> tuple[str, ...] | None:
@@ -260,7 +266,7 @@ class EngineCall:
                 for o in out.outputs:
                     if o.finish_reason is not None and o.index not in observed:
                         observed.add(o.index)
-                        self.serving.metrics.observe_finished(o)
+                        self.serving.metrics.observe_finished(o, self.params)
                 if out.finished:
                     self.unfinished.discard(engine_id)
                     self.final[i] = out

@@ -1,0 +1,62 @@
+"""Latency targets per request or from the server's SLO class, and live goodput in /metrics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.config import ServerConfig
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")}
+
+
+def test_requests_are_judged_against_their_targets(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.api_server import build_app
+
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, num_threads=1))
+    try:
+        client = TestClient(build_app(engine, ServerConfig(slo_profile="llama3.1-8b", slo_tpot_ms=60_000),
+                                      max_num_seqs=8))
+        text = client.get("/metrics").text
+        assert math.isnan(list(_samples(text, "tokenmill:slo_attainment").values())[0])
+        body = {"prompt": "judge me", "max_tokens": 4, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200           # the class: 2 s / 60 s
+        assert client.post("/v1/completions", json={**body, "ttft_target_ms": 1e-6}).status_code == 200
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 1, "stream": True}).status_code == 200
+        text = client.get("/metrics").text
+        judged = _samples(text, "tokenmill:slo_requests_total")
+        met = {k: v for k, v in judged.items() if 'result="met"' in k}
+        missed = {k: v for k, v in judged.items() if 'result="missed"' in k}
+        assert sum(v for k, v in met.items() if 'target="ttft"' in k) == 2
+        assert sum(v for k, v in missed.items() if 'target="ttft"' in k) == 1
+        assert sum(v for k, v in met.items() if 'target="tpot"' in k) == 2      # the 1-token chat has none
+        goodput = _samples(text, "tokenmill:slo_goodput_requests_total")
+        assert sorted(goodput.values()) == [1.0, 2.0]
+        assert list(_samples(text, "tokenmill:slo_attainment").values())[0] == pytest.approx(2 / 3)
+    finally:
+        engine.shutdown()
+
+
+def test_the_slo_class_comes_from_a_profile_or_flags():
+    assert (ServerConfig(slo_profile="llama3.1-8b-interactive").slo_ttft_ms,
+            ServerConfig(slo_profile="llama3.1-8b-interactive").slo_tpot_ms) == (500.0, 30.0)
+    assert ServerConfig(slo_profile="llama3.1-8b", slo_ttft_ms=900).slo_ttft_ms == 900
+    with pytest.raises(ValueError, match="unknown profile"):
+        ServerConfig(slo_profile="nope")
+    with pytest.raises(ValueError, match="slo_tpot_ms"):
+        ServerConfig(slo_tpot_ms=-1)
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "100", True])
+def test_bad_targets_are_refused(value):
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        SamplingParams(ttft_target_ms=value)
