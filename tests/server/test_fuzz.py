@@ -33,7 +33,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
           "stream", "stream_options", "logit_bias", "user", "logprobs", "top_logprobs", "echo", "best_of",
           "suffix", "add_generation_prompt", "chat_template_kwargs", "tools", "response_format",
-          "no_such_field", "max_tokens_", ""]
+          "ttft_target_ms", "tpot_target_ms", "no_such_field", "max_tokens_", ""]
 EXTREMES = [None, True, False, 0, -1, 1, 2, 3, 7, 16, 17, 511, 512, 2**31, 2**53 + 1, 2**63, 2**64, -2**63, 10**30,
             1e308, -1e308, 1e-320, 5e-324, 0.5, -0.0, 1.0000001, 2.0, 2.0000001, "", "x", "5", "\x00", "\u202e",
             "🙂" * 40, "x" * 5000, [], [0], [1, 2, 3], [-1], [2**63], ["a"], ["", "b"], [[1]], [None], {}, {"a": 1},
