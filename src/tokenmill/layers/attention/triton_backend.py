@@ -44,10 +44,7 @@ class TritonAttention(AttentionBackend):
         seqs = [meta.seqs[i] for i in idx]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
         tables = meta.block_tables[torch.tensor(idx, dtype=torch.long)].to(q.device)
-        chunk = self.kernels.paged_prefill_attention(
+        self.kernels.paged_prefill_attention(
             q, k_cache, v_cache, tables, as_tensor([s.query_start for s in seqs]),
             as_tensor([s.query_len for s in seqs]), as_tensor([s.context_len for s in seqs]), meta.block_size,
-            scale, max(s.query_len for s in seqs))
-        for s in seqs:
-            rows = slice(s.query_start, s.query_start + s.query_len)
-            out[rows] = chunk[rows]
+            scale, max(s.query_len for s in seqs), out=out)     # writes the chunks' rows of out in place

@@ -159,13 +159,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, scale: float,
-                            max_query_len: int) -> torch.Tensor:
+                            max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D]: the step's new tokens, sequence s owning rows query_starts[s] .. + query_lens[s], its
-    KV (chunk included) already in the cache; context_lens[s] = start position + query_lens[s]. Rows of
-    sequences not listed are left as they are. Returns [T, H, D] in q's dtype."""
+    KV (chunk included) already in the cache; context_lens[s] = start position + query_lens[s]. Writes the
+    listed sequences' rows of `out` ([T, H, D], q's dtype; zeros when not given) and returns it; other rows
+    are left as they are."""
     num_tokens, num_heads, head_dim = q.shape
     _check_shapes(q, k_cache, v_cache, block_tables, block_size)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     grid = (query_starts.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_starts, query_lens, context_lens,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
