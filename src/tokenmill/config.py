@@ -123,11 +123,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048       # token budget per step (decode tokens + prefill chunks)
     max_model_len: int = 8192                # prompt + output tokens per request
     long_prefill_token_threshold: int = 0    # 0: a prefill chunk may use the whole budget
+    policy: str = "fcfs"                     # core/policy.py POLICIES: "fcfs" or "slo"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "
                              f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
+        from tokenmill.core.policy import policy_names
+        if self.policy not in policy_names():
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; expected one of {policy_names()}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,7 @@ class EngineArgs:
     kv_cache_memory_fraction: float = 0.25   # of currently available memory
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"          # "fcfs" | "slo" (steps sized to the requests' latency targets)
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "cpu"           # "cpu" (fast), "reference" or "triton" (the CUDA path's kernels)
@@ -175,6 +180,10 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        from tokenmill.core.policy import policy_names
+        g.add_argument("--scheduling-policy", default="fcfs", choices=policy_names(),
+                       help="fcfs: arrival order, fixed limits; slo: each step sized by the step-time model "
+                            "to the requests' TPOT targets, admission by TTFT deadline")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference", "triton"])

@@ -1,15 +1,67 @@
-"""Scheduling policies: who is admitted first and who is preempted first. Add one by subclassing."""
+"""Scheduling policies: who is admitted first, how much one step may compute, who is preempted first.
+Add one by subclassing SchedulingPolicy and registering it in POLICIES.
+
+The scheduler owns the mechanics (KV blocks, preemption, chunking); a policy only answers questions:
+each step's budget (begin_step), the order running requests are served in, the order of the waiting queue,
+whether one more request may start, and which running request gives up its blocks when they run out.
+"""
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenmill.core.request import Request
+from tokenmill.core.step_time import StepTimeModel, chunk_features
+
+if TYPE_CHECKING:
+    from tokenmill.core.scheduler import Scheduler
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step. tokens: new tokens (decode tokens and prefill chunks); seconds: predicted
+    step time left (inf: no time limit). A decode token is always granted while tokens are left (a running
+    request never stalls); a prefill chunk is sized into the time left, but the step's first chunk may take
+    min_prefill_chunk tokens past it, so prefills always progress."""
+    tokens: int
+    seconds: float = math.inf
+    model: StepTimeModel | None = None
+    min_prefill_chunk: int = 0
+    prefill_granted: bool = False
+
+    def grant(self, start_position: int, wanted: int) -> int:
+        """How many of `wanted` new tokens from start_position this step computes; charges them."""
+        n = min(wanted, self.tokens)
+        if n <= 0:
+            return 0
+        if self.model is not None and math.isfinite(self.seconds) and n > 1:
+            fits = self.model.max_chunk(start_position, n, self.seconds)
+            if fits < n and not self.prefill_granted:
+                fits = max(fits, min(n, self.min_prefill_chunk))
+            n = fits
+        if n <= 0:
+            return 0
+        self.tokens -= n
+        self.prefill_granted |= n > 1
+        if self.model is not None:
+            self.seconds -= self.model.marginal(chunk_features(start_position, n))
+        return n
 
 
 class SchedulingPolicy:
-    """Orders the waiting queue and picks preemption victims. Running requests are always served first."""
+    """Orders the waiting queue and picks preemption victims; the base class has no time limits."""
 
     name = "base"
+    needs_step_model = False          # True: the engine calibrates the step-time model at start-up
+
+    def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
+        return StepBudget(scheduler.config.max_num_batched_tokens)
+
+    def running_order(self, running: list[Request]) -> list[Request]:
+        """The order running requests are given tokens in (a new list)."""
+        return list(running)
 
     def add_waiting(self, waiting: deque[Request], request: Request) -> None:
         raise NotImplementedError
@@ -18,14 +70,21 @@ class SchedulingPolicy:
         """A preempted request goes back to the waiting queue."""
         raise NotImplementedError
 
+    def order_waiting(self, waiting: deque[Request], scheduler: "Scheduler", now: float) -> None:
+        """Reorder the waiting queue (in place) before admission; the head is admitted first."""
+
+    def may_admit(self, request: Request, scheduler: "Scheduler", now: float) -> bool:
+        """Whether `request` (the head of the waiting queue) may start now; False stops admission this step."""
+        return True
+
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out (lowest priority)."""
         raise NotImplementedError
 
 
 class FCFSPolicy(SchedulingPolicy):
-    """First come, first served: arrival order; the latest arrival is preempted first and, being the
-    oldest waiting work, resumes first."""
+    """First come, first served: arrival order, fixed limits; the latest arrival is preempted first and,
+    being the oldest waiting work, resumes first."""
 
     name = "fcfs"
 
@@ -42,7 +101,17 @@ class FCFSPolicy(SchedulingPolicy):
 POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy}
 
 
+def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    import tokenmill.core.slo_policy  # noqa: F401 - registers "slo"
+    return sorted(POLICIES)
+
+
 def make_policy(name: str) -> SchedulingPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {name!r}; expected one of {sorted(POLICIES)}")
+    if name not in policy_names():
+        raise ValueError(f"unknown scheduling policy {name!r}; expected one of {policy_names()}")
     return POLICIES[name]()

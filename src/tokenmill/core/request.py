@@ -31,6 +31,7 @@ class Request:
     max_model_len: int = 1 << 30          # prompt + output tokens allowed by the context window
     arrival_time: float = field(default_factory=time.perf_counter)   # s, perf_counter clock
     first_scheduled_time: float | None = None                        # s, perf_counter clock
+    first_token_time: float | None = None                            # s, when its first output token came
     # progress: invariant 0 <= num_computed_tokens <= num_tokens; KV of all_token_ids[:num_computed_tokens] is cached
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

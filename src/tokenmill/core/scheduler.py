@@ -1,9 +1,11 @@
 """Token-budget scheduler: each step hands out "n tokens for this request", with no prefill/decode phases.
 
-Per step: running requests first (in order) get what they need (1 decode token, or the rest of a prefill
-chunk), then waiting requests are admitted while the token budget, the sequence limit and the KV pool
-allow. When the pool runs dry for a running request, the policy's victim is preempted (blocks freed, to
-be recomputed later from its tokens, which reproduces exactly the same continuation).
+Per step: the policy sets the step's budget (tokens, and predicted seconds by the step-time model);
+running requests first (in the policy's order) get what they need (1 decode token, or a prefill chunk),
+then waiting requests are admitted, in the policy's order and while it agrees, while the budget, the
+sequence limit and the KV pool allow. When the pool runs dry for a running request, the policy's victim is
+preempted (blocks freed, to be recomputed later from its tokens, which reproduces exactly the same
+continuation). Every executed step is fed back to the step-time model (EngineCore times it).
 """
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ from collections import deque
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.core.policy import FCFSPolicy, SchedulingPolicy
+from tokenmill.core.policy import FCFSPolicy, SchedulingPolicy, StepBudget
 from tokenmill.core.request import FinishReason, Request, RequestStatus
+from tokenmill.core.step_time import StepTimeModel
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None, step_model: StepTimeModel | None = None,
+                 clock=time.perf_counter) -> None:
         self.config = config
+        self.clock = clock                        # seconds; the clock of Request.arrival_time
         self.kv = kv_manager
         self.policy = policy or FCFSPolicy()
+        self.step_model = step_model or StepTimeModel()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -79,36 +85,40 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        now = self.clock()
+        budget = self.policy.begin_step(self, now)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        self._schedule_running(budget, scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
+            self.policy.order_waiting(self.waiting, self, now)
+            self._schedule_waiting(budget, scheduled, now)
         out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted)
         self.finished_since_last_step = []
         return out
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _chunk(self, request: Request, start: int, budget: StepBudget) -> int:
+        n = request.num_tokens - start
         threshold = self.config.long_prefill_token_threshold
-        return min(n, threshold) if threshold > 0 else n
+        return budget.grant(start, min(n, threshold) if threshold > 0 else n)
 
-    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._chunk(request, budget)
+    def _schedule_running(self, budget: StepBudget, scheduled: list, preempted: list) -> None:
+        pending = self.policy.running_order(self.running)      # not yet scheduled this step
+        while pending and budget.tokens > 0:
+            request = pending[0]
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            if num_new == 0:                                   # no time left for its chunk this step
+                pending.pop(0)
+                continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.policy.pick_victim(self.running[i:])  # never one already scheduled
+                victim = self.policy.pick_victim(pending)      # never one already scheduled
+                pending.remove(victim)
                 self._preempt(victim, preempted)
                 if victim is request:
                     break
             else:
                 scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
-                i += 1
-        return budget
+                pending.pop(0)
 
     def _preempt(self, request: Request, preempted: list) -> None:
         self.running.remove(request)
@@ -120,12 +130,14 @@ class Scheduler:
         self.policy.readmit(self.waiting, request)
         preempted.append(request.request_id)
 
-    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, budget: StepBudget, scheduled: list, now: float) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self.policy.may_admit(request, self, now):
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            num_new = self._chunk(request, num_hit_tokens, budget)
+            if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
@@ -134,9 +146,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.perf_counter()
+                request.first_scheduled_time = now
             scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -167,6 +178,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += sr.num_new_tokens
             new_ids = self._append_tokens(request, runner_out.sampled_token_ids.get(sr.request_id, ()))
+            if new_ids and request.first_token_time is None:
+                request.first_token_time = self.clock()
             if new_ids:
                 produced.append((request, new_ids))
         return produced

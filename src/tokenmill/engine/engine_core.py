@@ -8,6 +8,7 @@ explains: it propagates, and the engine loop above treats it as fatal.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
@@ -16,6 +17,7 @@ from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_time import StepTimeModel, step_features
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -47,12 +49,17 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, weights, policy: str = "fcfs") -> None:
+    def __init__(self, config: EngineConfig, weights) -> None:
         self.config = config
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(policy))
+        self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
+        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
+                                   self.step_model)
         self.runner = ModelRunner(config, weights)
+
+    def replace_step_model(self, model: StepTimeModel) -> None:
+        self.step_model = self.scheduler.step_model = model
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -64,12 +71,15 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[CoreUpdate]:
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             self.runner.execute(sched_out)             # still hands over the finished ids
             return []
         runner_out = self._execute_isolated(sched_out)
         produced = self.scheduler.update(sched_out, runner_out)
+        if not runner_out.failed:                      # a bisected step's time describes no normal step
+            self.step_model.observe(step_features(sched_out), time.perf_counter() - t0)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.request import FinishReason, Request
+from tokenmill.engine.calibration import seed_step_model
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreUpdate, EngineCore, EngineStats
 from tokenmill.engine.memory import kv_budget_bytes, num_kv_blocks
@@ -58,6 +59,9 @@ class LLMEngine:
         self.tokenizer = source.load_tokenizer()
         self.config = self._make_config(args, source)
         self.core = EngineCore(self.config, source.iter_weights())
+        self.step_model_source = "online"              # where the step-time model's prior came from
+        if self.core.scheduler.policy.needs_step_model:
+            self.step_model_source = seed_step_model(self.core)
         self.eos_token_ids = self.config.model.eos_token_ids
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
@@ -80,7 +84,8 @@ class LLMEngine:
         return EngineConfig(
             model_path=source.path, model=model,
             cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                      policy=args.scheduling_policy),
             seed=args.seed, attention_backend=args.attention_backend, quantization=args.quantization,
             native_decode_layers=args.native_decode_layers, greedy_screen=args.greedy_screen)
 
@@ -274,6 +279,11 @@ class LLMEngine:
                 "weight_bytes": weight_bytes, "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
                 "max_model_len": self.max_model_len, "quantization": self.config.quantization,
                 "num_kv_blocks": self.config.cache.num_blocks, "block_size": self.config.cache.block_size}
+
+    def step_time_model(self) -> dict:
+        """The step-time model now: coefficients (ms per unit), observations, and where its prior came from."""
+        return {**self.core.step_model.describe(), "source": self.step_model_source,
+                "policy": self.config.scheduler.policy}
 
     def stats(self) -> EngineStats:
         s = self.core.stats()

@@ -1,0 +1,154 @@
+"""The step-time model: how long one engine step takes, as a linear function of what it computes.
+
+    step_s = intercept + per_decode_row * decode_rows + per_prefill_token * prefill_tokens
+             + per_context_read * context_reads
+
+- decode_rows: scheduled requests computing exactly one new token (a decode);
+- prefill_tokens: new tokens of every other scheduled request (prefill chunks; later, draft tokens);
+- context_reads: (query token, cached key) pairs attention reads, sum over every new token of its position + 1
+  (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2).
+
+The fit is online: every executed step is an observation, weighted by recency (exponential forgetting), and
+pulled toward a prior (the start-up calibration's coefficients) so that a few steps of one shape do not
+swing the coefficients of the others. Coefficients are kept >= 0. Times are seconds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.core.messages import SchedulerOutput
+
+FEATURE_NAMES = ("intercept", "per_decode_row", "per_prefill_token", "per_context_read")
+_SCALE = np.array([1.0, 1.0, 1.0, 1e-3])     # context reads enter in thousands (conditioning)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    context_reads: int = 0
+
+    def plus(self, other: "StepFeatures") -> "StepFeatures":
+        return StepFeatures(self.decode_rows + other.decode_rows, self.prefill_tokens + other.prefill_tokens,
+                            self.context_reads + other.context_reads)
+
+    def vector(self) -> np.ndarray:
+        return np.array([1.0, self.decode_rows, self.prefill_tokens, self.context_reads]) * _SCALE
+
+
+def chunk_features(start_position: int, num_new_tokens: int) -> StepFeatures:
+    """What computing num_new_tokens from start_position adds to a step."""
+    n, s = num_new_tokens, start_position
+    reads = n * s + n * (n + 1) // 2
+    if n == 1:
+        return StepFeatures(decode_rows=1, context_reads=reads)
+    return StepFeatures(prefill_tokens=n, context_reads=reads)
+
+
+def step_features(sched_out: SchedulerOutput) -> StepFeatures:
+    f = StepFeatures()
+    for sr in sched_out.scheduled:
+        f = f.plus(chunk_features(sr.start_position, sr.num_new_tokens))
+    return f
+
+
+class StepTimeModel:
+    """Online weighted least squares of step time on StepFeatures.
+
+    decay: weight kept by each past observation per new one (0.995: a half-life of about 140 steps).
+    prior_weight: how many observations' worth the prior coefficients count for, per feature.
+    """
+
+    def __init__(self, prior: dict[str, float] | None = None, decay: float = 0.995,
+                 prior_weight: float = 4.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay, self.prior_weight = decay, prior_weight
+        self._gram = np.zeros((4, 4))              # sum of w * x x^T
+        self._moment = np.zeros(4)                 # sum of w * x y
+        self.num_observations = 0
+        self.set_prior(prior)
+
+    def set_prior(self, prior: dict[str, float] | None) -> None:
+        """Coefficients the fit is pulled toward (seconds per unit of each feature); None: none (zeros,
+        with a vanishing pull, so that the data alone decide)."""
+        self.prior = {k: float((prior or {}).get(k, 0.0)) for k in FEATURE_NAMES}
+        self._has_prior = prior is not None
+        self._refit()
+
+    # ---- observations -------------------------------------------------------------------------------
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        x = features.vector()
+        self._gram = self.decay * self._gram + np.outer(x, x)
+        self._moment = self.decay * self._moment + x * seconds
+        self.num_observations += 1
+        self._refit()
+
+    def _refit(self) -> None:
+        theta0 = np.array([self.prior[k] for k in FEATURE_NAMES]) / _SCALE
+        rho = self.prior_weight if self._has_prior else 1e-6
+        # the pull scales with each feature's typical magnitude so that it means "rho observations"
+        diag = np.maximum(np.diag(self._gram) / max(self._weight(), 1e-9), 1e-6)
+        penalty = rho * np.diag(diag)
+        active = np.ones(4, dtype=bool)            # coefficients not clamped at zero
+        theta = np.zeros(4)
+        for _ in range(4):
+            a = (self._gram + penalty)[np.ix_(active, active)]
+            b = (self._moment + penalty @ theta0)[active]
+            theta = np.zeros(4)
+            theta[active] = np.linalg.lstsq(a, b, rcond=None)[0]
+            negative = theta < 0
+            if not negative.any():
+                break
+            active &= ~negative
+        self._theta = np.maximum(theta, 0.0)
+
+    def _weight(self) -> float:
+        if self.decay == 1.0:
+            return float(self.num_observations)
+        return (1 - self.decay ** self.num_observations) / (1 - self.decay)
+
+    # ---- predictions ------------------------------------------------------------------------------
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit: intercept (s), per decode row, per prefill token, per context read."""
+        return {k: float(v) for k, v in zip(FEATURE_NAMES, self._theta * _SCALE)}
+
+    @property
+    def is_fitted(self) -> bool:
+        return self._has_prior or self.num_observations >= 8
+
+    def predict(self, features: StepFeatures) -> float:
+        """Predicted step time in seconds (>= 0)."""
+        return max(float(features.vector() @ self._theta), 0.0)
+
+    def marginal(self, features: StepFeatures) -> float:
+        """Predicted time this work adds to a step that already runs (the intercept excluded)."""
+        x = features.vector()
+        x[0] = 0.0
+        return max(float(x @ self._theta), 0.0)
+
+    def max_chunk(self, start_position: int, remaining: int, seconds: float) -> int:
+        """The most new tokens (<= remaining) from start_position whose marginal time fits in seconds."""
+        if remaining <= 0 or seconds <= 0:
+            return 0
+        if self.marginal(chunk_features(start_position, remaining)) <= seconds:
+            return remaining
+        lo, hi = 0, remaining                      # marginal time grows with the chunk: bisect
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.marginal(chunk_features(start_position, mid)) <= seconds else (lo, mid)
+        return lo
+
+    def describe(self) -> dict:
+        """For reports: coefficients in milliseconds per unit, and the observation count."""
+        c = self.coefficients
+        return {"intercept_ms": 1e3 * c["intercept"], "per_decode_row_ms": 1e3 * c["per_decode_row"],
+                "per_prefill_token_ms": 1e3 * c["per_prefill_token"],
+                "per_1k_context_reads_ms": 1e6 * c["per_context_read"],
+                "observations": self.num_observations, "prior": dict(self.prior)}

@@ -1,0 +1,65 @@
+"""The SLO policy in the real engine (tiny random model): the start-up calibration and its cache, the step-time
+model exposed, and tokens identical to FCFS's (scheduling changes when, never what)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import calibration
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_calibration_runs_once_per_machine_and_model_then_comes_from_the_cache(tiny_model_dir, cache_dir):
+    llm = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20)
+    info = llm.engine.step_time_model()
+    assert info["source"] == "calibrated" and info["policy"] == "slo"
+    assert info["intercept_ms"] > 0 and info["per_decode_row_ms"] + info["per_prefill_token_ms"] > 0
+    files = os.listdir(cache_dir / "step-time")
+    assert len(files) == 1
+    saved = json.loads((cache_dir / "step-time" / files[0]).read_text())["coefficients"]
+    assert saved == pytest.approx(info["prior"])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().num_used_blocks == 0
+    again = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20)
+    assert again.engine.step_time_model()["source"] == "cache"
+    assert again.engine.step_time_model()["prior"] == pytest.approx(saved)
+    other = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20, block_size=8)
+    assert other.engine.step_time_model()["source"] == "calibrated"      # a different setting, its own entry
+
+
+def test_fcfs_engines_skip_calibration_but_still_fit_online(tiny_model_dir, cache_dir):
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.step_time_model()["source"] == "online"
+    llm.generate(["a b c"] * 4, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+    assert llm.engine.step_time_model()["observations"] >= 6
+    assert not (cache_dir / "step-time").exists()
+
+
+def test_slo_policy_generates_exactly_fcfs_tokens(tiny_model_dir, cache_dir):
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(12)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0, ttft_target_ms=1.0, tpot_target_ms=1.0)
+    fcfs = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20).generate(prompts, params)
+    slo = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20,
+              max_num_batched_tokens=64).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in slo] == [o.outputs[0].token_ids for o in fcfs]
+
+
+def test_an_unwritable_cache_only_warns(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocker))            # a file where a folder should be
+    llm = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.step_time_model()["source"] == "calibrated"
+    assert calibration.load_cached(calibration.cache_key(llm.engine.config)) is None
+
+
+def test_an_unknown_policy_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="unknown scheduling policy 'edf'.*fcfs.*slo"):
+        LLM(tiny_model_dir, scheduling_policy="edf")
