@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     _add_optional(sub, "tokenmill.server.cli", "add_serve_parser")
     _add_optional(sub, "tokenmill.bench.cli", "add_bench_parser")
+    _add_optional(sub, "tokenmill.tune.cli", "add_tune_parser")
     return parser
 
 

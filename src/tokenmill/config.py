@@ -159,6 +159,7 @@ class EngineArgs:
     kv_cache_memory_fraction: float = 0.25   # of currently available memory
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0    # largest prefill chunk per request per step; 0: the budget
     scheduling_policy: str = "fcfs"          # "fcfs" | "slo" (steps sized to the requests' latency targets)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -180,6 +181,11 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="largest prefill chunk one request takes per step (0: the whole token budget)")
+        g.add_argument("--config", default=None, metavar="FILE",
+                       help="engine settings from a config file (as `tokenmill tune` writes); flags given "
+                            "a non-default value override it")
         from tokenmill.core.policy import policy_names
         g.add_argument("--scheduling-policy", default="fcfs", choices=policy_names(),
                        help="fcfs: arrival order, fixed limits; slo: each step sized by the step-time model "
@@ -198,7 +204,18 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        given = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        if getattr(ns, "config", None):
+            defaults = {f.name: f.default for f in fields(cls)}
+            given = {k: v for k, v in given.items() if v != defaults.get(k)}
+            return cls.from_file(ns.config, **given)
+        return cls(**given)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> "EngineArgs":
+        """A config file's engine_args (config_file.py), with overrides on top."""
+        from tokenmill.config_file import read_engine_args
+        return cls(**{**read_engine_args(path), **overrides})
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -16,10 +16,14 @@ Message = dict
 
 class LLM:
     """Loads a model (None: the default SmolLM2-135M-Instruct GGUF) and generates with continuous batching.
-    Keyword arguments are EngineArgs fields (max_num_seqs, enable_prefix_caching, block_size, ...)."""
+    Keyword arguments are EngineArgs fields (max_num_seqs, enable_prefix_caching, block_size, ...);
+    config=FILE reads them from a config file (as `tokenmill tune` writes), the keyword arguments on top."""
 
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    def __init__(self, model: str | None = None, config: str | None = None, **engine_args) -> None:
+        if model is not None:
+            engine_args["model"] = model
+        args = EngineArgs.from_file(config, **engine_args) if config else EngineArgs(**engine_args)
+        self.engine = LLMEngine(args)
         self._ids = itertools.count()
 
     @property

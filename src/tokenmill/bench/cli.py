@@ -92,7 +92,7 @@ def add_bench_parser(subparsers) -> None:
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     profile = get_profile(ns.profile, ns.ttft_ms, ns.tpot_ms)
     if ns.mlperf_conf:
-        profile = apply_conf(profile, ns.mlperf_conf, SCENARIO_OF.get(ns.bench_command, "Server"))
+        profile = apply_conf(profile, ns.mlperf_conf, SCENARIO_OF.get(getattr(ns, "bench_command", None), "Server"))
     if ns.min_duration_s is not None or ns.min_query_count is not None:
         profile = profile.with_dev_length(
             profile.min_duration_s if ns.min_duration_s is None else ns.min_duration_s,

@@ -14,7 +14,7 @@ from tokenmill.bench.profiles import get_profile
 from tokenmill.bench.report import console_summary, write_report
 from tokenmill.bench.scenarios import OfflineScenario, offline_query_size
 from tokenmill.bench.session import BenchConfig, BenchSession
-from tokenmill.bench.workflows import peak_sections, ratio_section
+from tokenmill.bench.workflows import bound_section, peak_sections, ratio_section, step_time_bound
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,16 @@ class MainJobConfig:
     max_runs: int = 10                 # Server runs in the peak search, confirmations included (room for
                                        # two back-offs after a failed confirmation at the usual 7 search runs)
     search_budget_s: float = 180.0     # s; no new search run starts after this (the confirmation may)
+    scheduling_policy: str = "slo"     # the engine's; Offline runs carry no latency targets, so they run as FCFS
     seed: int = 0
 
 
 def _bench_config(job: MainJobConfig) -> BenchConfig:
     profile = get_profile(job.profile).with_dev_length(job.min_duration_s, job.min_query_count)
+    from tokenmill.config import EngineArgs
     return BenchConfig(profile=profile, num_samples=job.num_samples, prompt_len=job.prompt_len,
-                       output_len=job.output_len, seed=job.seed, request_timeout_s=300.0)
+                       output_len=job.output_len, seed=job.seed, request_timeout_s=300.0,
+                       engine_args=EngineArgs(scheduling_policy=job.scheduling_policy))
 
 
 async def run_offline_sized(session: BenchSession, job: MainJobConfig):
@@ -76,9 +79,11 @@ async def _run(job: MainJobConfig, cfg: BenchConfig):
 def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list[str], dict]:
     server = peak.peak
     ratio_lines, ratio = ratio_section(server, offline)
+    bound = step_time_bound(server, cfg.profile.tpot_limit_ms)
+    ratio_lines += bound_section(bound)
     lines = ["## Summary", "",
-             f"- Model: the default model, in-process; synthetic prompts of {job.prompt_len} tokens, exactly "
-             f"{job.output_len} output tokens each (greedy, prefix caching off).",
+             f"- Model: the default model, in-process, scheduling policy {job.scheduling_policy}; synthetic prompts "
+             f"of {job.prompt_len} tokens, exactly {job.output_len} output tokens each (greedy, prefix caching off).",
              f"- Offline: **{offline.result.metrics.tokens_per_s:.1f} tokens/s** over "
              f"{len(offline.result.records)} samples "
              f"({offline.verdict.label}).",
@@ -94,7 +99,8 @@ def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list
     summary = {"offline_tokens_per_s": offline.result.metrics.tokens_per_s, "peak_qps": peak.peak_qps,
                "peak_confirmed": peak.confirmed,
                "server_completed_tokens_per_s": server.result.metrics.completed_tokens_per_s if server else None,
-               "server_offline_ratio": ratio, "peak_search": peak.rows}
+               "server_offline_ratio": ratio, "scheduling_policy": job.scheduling_policy,
+               "step_time_bound": bound, "peak_search": peak.rows}
     return lines + ratio_lines, summary
 
 

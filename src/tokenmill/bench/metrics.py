@@ -78,6 +78,8 @@ class RunMetrics:
     completed_samples_per_s: float | None       # (samples - 1) / all-samples-done time
     request_throughput_rps: float | None        # completed requests / duration
     goodput_rps: float | None                   # requests meeting both limits / duration
+    goodput_tokens_per_s: float | None          # output tokens of those requests / duration
+    slo_attainment: float | None                # fraction of issued requests meeting both limits
     per_user_tokens_per_s: float | None         # 1000 / median TPOT ms
     ttft_ms: dict = field(default_factory=dict)
     ttft_sent_ms: dict = field(default_factory=dict)
@@ -106,6 +108,7 @@ def compute_metrics(records: list[RequestRecord], limits: Limits | None = None) 
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     gaps = [g for r in done for g in (r.inter_token_gaps_s() or [])]
     med_tpot = percentile(tpots, 0.5)
+    good = [r for r in done if limits.request_meets(r)]
     errors: dict[str, int] = {}
     for r in failed:
         msg = r.error or "no output tokens"
@@ -121,7 +124,9 @@ def compute_metrics(records: list[RequestRecord], limits: Limits | None = None) 
         completed_tokens_per_s=_rate(tokens, end_s),
         completed_samples_per_s=_rate(len(done) - 1, end_s) if len(done) > 1 else None,
         request_throughput_rps=_rate(len(done), end_s),
-        goodput_rps=_rate(sum(1 for r in done if limits.request_meets(r)), end_s),
+        goodput_rps=_rate(len(good), end_s),
+        goodput_tokens_per_s=_rate(sum(r.num_output_tokens for r in good), end_s),
+        slo_attainment=len(good) / len(records) if records else None,
         per_user_tokens_per_s=1.0 / med_tpot if med_tpot else None,
         ttft_ms=distribution_ms([r.ttft_s for r in done]),
         ttft_sent_ms=distribution_ms([r.ttft_sent_s for r in done if r.ttft_sent_s is not None]),

@@ -24,6 +24,10 @@ def _fmt(v, digits: int = 2) -> str:
     return str(v)
 
 
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
 def _yes(flag: bool | None) -> str:
     return "n/a" if flag is None else ("Yes" if flag else "NO")
 
@@ -61,6 +65,8 @@ def console_summary(o: Outcome, profile: Profile) -> str:
               f"Duration to last completion (s): {_fmt(m.duration_s)}",
               f"Request throughput (req/s): {_fmt(m.request_throughput_rps, 3)}   "
               f"goodput (req/s meeting both limits): {_fmt(m.goodput_rps, 3)}",
+              f"Goodput tokens/s (requests meeting both limits): {_fmt(m.goodput_tokens_per_s)}   "
+              f"SLO attainment: {_pct(m.slo_attainment)}",
               f"Per-user tokens/s (1000 / median TPOT ms): {_fmt(m.per_user_tokens_per_s)}",
               _dist_line("TTFT from scheduled (ms)", m.ttft_ms), _dist_line("TTFT from send (ms)", m.ttft_sent_ms),
               _dist_line("TPOT (ms)", m.tpot_ms), _dist_line("ITL token-level (ms)", m.itl_ms),
@@ -69,7 +75,16 @@ def console_summary(o: Outcome, profile: Profile) -> str:
         lines += ["Errors:"] + [f" * {n}x {msg}" for msg, n in m.errors.items()]
     if o.efficiency is not None:
         lines += _efficiency_lines(o.efficiency)
+    if o.extra.get("step_time_model"):
+        lines += _step_model_lines(o.extra["step_time_model"])
     return "\n".join(lines)
+
+
+def _step_model_lines(s: dict) -> list[str]:
+    return [f"Step-time model ({s.get('policy')} policy, prior: {s.get('source')}, {s.get('observations')} steps): "
+            f"{_fmt(s.get('intercept_ms'), 2)} ms + {_fmt(s.get('per_decode_row_ms'), 3)} ms/decode row + "
+            f"{_fmt(s.get('per_prefill_token_ms'), 3)} ms/prefill token + "
+            f"{_fmt(s.get('per_1k_context_reads_ms'), 3)} ms/1k context reads"]
 
 
 def _efficiency_lines(e) -> list[str]:
@@ -129,11 +144,13 @@ def write_report(out_dir: str | Path, stem: str, title: str, profile: Profile, o
                f"{profile.server_min_query_count} (Server) / {profile.offline_min_query_count} (Offline). "
                f"These are development figures.", ""]
     md += sections or []
-    md += ["| run | verdict | tokens/s | p99 TTFT ms | p99 TPOT ms | failed |", "|---|---|---|---|---|---|"]
+    md += ["| run | verdict | tokens/s | goodput tokens/s | SLO attainment | p99 TTFT ms | p99 TPOT ms | failed |",
+           "|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         m = o.result.metrics
         tps = m.tokens_per_s if o.result.scenario == "Offline" else m.completed_tokens_per_s
-        md.append(f"| {o.label} | {o.verdict.label} | {_fmt(tps)} | {_fmt(m.ttft_ms.get('p99'), 1)} | "
+        md.append(f"| {o.label} | {o.verdict.label} | {_fmt(tps)} | {_fmt(m.goodput_tokens_per_s)} | "
+                  f"{_pct(m.slo_attainment)} | {_fmt(m.ttft_ms.get('p99'), 1)} | "
                   f"{_fmt(m.tpot_ms.get('p99'), 1)} | {m.num_failed} |")
     md.append("")
     for o in outcomes:

@@ -125,6 +125,13 @@ def engine_model_info(sut: SUT) -> tuple[int | None, int | None, str]:
     return info["weight_bytes"], info["kv_bytes_per_token"], "engine model_info()"
 
 
+def engine_step_time_model(sut: SUT) -> dict | None:
+    """The in-process engine's step-time model after a run (LLMEngine.step_time_model); None elsewhere."""
+    engine = getattr(sut, "engine", None)
+    describe = getattr(engine, "step_time_model", None)
+    return describe() if callable(describe) else None
+
+
 class BenchSession:
     def __init__(self, cfg: BenchConfig, sut: SUT | None = None):
         self.cfg = cfg
@@ -149,10 +156,16 @@ class BenchSession:
         await self.sut.close()
 
     async def run(self, scenario: Scenario, label: str | None = None, prefix: str = "q") -> Outcome:
+        limits = self.cfg.limits
+        self.sut.latency_targets = None if scenario.name == "Offline" else (limits.ttft_ms, limits.tpot_ms)
         self.meter.start()
         result = await run_scenario_async(self.sut, self.samples, scenario, self.cfg.limits,
                                           self.cfg.request_timeout_s, self.cfg.progress, prefix)
-        return self.outcome(result, self.meter.stop_joules(), label or scenario.name)
+        outcome = self.outcome(result, self.meter.stop_joules(), label or scenario.name)
+        model = engine_step_time_model(self.sut)
+        if model is not None:
+            outcome.extra["step_time_model"] = model
+        return outcome
 
     def outcome(self, result: RunResult, joules: float | None, label: str) -> Outcome:
         """Verdict and efficiency for a finished run."""

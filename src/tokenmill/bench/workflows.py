@@ -24,6 +24,32 @@ def ratio_section(server: Outcome | None, offline: Outcome | None) -> tuple[list
             f"tokens/s {_fmt(offline.result.metrics.tokens_per_s)}; Server verdict {server.verdict.label})", ""], ratio
 
 
+def step_time_bound(server: Outcome | None, tpot_limit_ms: float | None) -> dict | None:
+    """What the engine's step-time model (after the run) says is the best completed tokens/s with every step
+    within the TPOT limit, for this run's mean prompt and output lengths (core.step_time.server_bound)."""
+    model = server.extra.get("step_time_model") if server else None
+    done = [r for r in server.result.records if r.ok] if server else []
+    if not model or not done or not tpot_limit_ms:
+        return None
+    from tokenmill.core.step_time import StepTimeModel, server_bound
+    prompt = sum(r.num_prompt_tokens or 0 for r in done) / len(done)
+    output = sum(r.num_output_tokens for r in done) / len(done)
+    bound = server_bound(StepTimeModel(prior=model["coefficients"]), prompt, output, tpot_limit_ms / 1e3)
+    reached = server.result.metrics.completed_tokens_per_s
+    bound["fraction_reached"] = reached / bound["tokens_per_s"] if reached and bound["tokens_per_s"] else None
+    return bound
+
+
+def bound_section(bound: dict | None) -> list[str]:
+    if bound is None:
+        return []
+    return [f"**Step-time bound: {_fmt(bound['tokens_per_s'])} tokens/s** ({bound['rows']:.1f} decode rows per "
+            f"{1e3 * bound['step_s']:.0f} ms step, each carrying its share of {bound['prompt_len']:.0f}-token "
+            f"prefills, for {bound['output_len']:.0f}-token outputs; an unbounded batch would allow "
+            f"{_fmt(bound['unbounded_batch_tokens_per_s'])}). The Server peak reached "
+            f"{_fmt(100 * bound['fraction_reached'] if bound['fraction_reached'] else None, 1)}% of it.", ""]
+
+
 def loadgen_section(outcomes: list[Outcome]) -> list[str]:
     """Our figures next to LoadGen's own mlperf_log_summary.txt for runs driven by LoadGen."""
     lines = []
@@ -120,7 +146,9 @@ async def run_find_peak(cfg: BenchConfig, search: PeakSearchConfig, out_dir: str
     async with BenchSession(cfg) as session:
         result = await find_peak(session, search)
     outcomes = [result.peak] if result.peak is not None else result.runs[-1:]
-    return outcomes, peak_sections(result, out_dir, stem), {"peak_qps": result.peak_qps, "runs": result.rows}
+    bound = step_time_bound(result.peak, cfg.profile.tpot_limit_ms)
+    sections = peak_sections(result, out_dir, stem) + bound_section(bound)
+    return outcomes, sections, {"peak_qps": result.peak_qps, "runs": result.rows, "step_time_bound": bound}
 
 
 async def run_sweep_workflow(cfg: BenchConfig, levels: list[int], queries_per_level: int | None, out_dir: str,

@@ -151,4 +151,21 @@ class StepTimeModel:
         return {"intercept_ms": 1e3 * c["intercept"], "per_decode_row_ms": 1e3 * c["per_decode_row"],
                 "per_prefill_token_ms": 1e3 * c["per_prefill_token"],
                 "per_1k_context_reads_ms": 1e6 * c["per_context_read"],
-                "observations": self.num_observations, "prior": dict(self.prior)}
+                "observations": self.num_observations, "prior": dict(self.prior),
+                "coefficients": self.coefficients}
+
+
+def server_bound(model: StepTimeModel, prompt_len: float, output_len: float, tpot_limit_s: float) -> dict:
+    """The best output tokens/s the model allows with every step within tpot_limit_s, for requests of
+    prompt_len -> output_len tokens in steady state: N decode rows per step, each step also carrying its
+    share of prefill (N * prompt_len / output_len tokens) and its attention reads. A step of N rows costs
+    intercept + k * N, so N = (limit - intercept) / k rows and N / limit tokens/s; 1 / k is the same model's
+    limit for an unbounded batch (no latency limit)."""
+    c = model.coefficients
+    p, d = float(prompt_len), max(float(output_len), 1.0)
+    reads_per_row = p + d / 2 + (p / d) * p / 2
+    k = c["per_decode_row"] + c["per_prefill_token"] * p / d + c["per_context_read"] * reads_per_row
+    rows = max(tpot_limit_s - c["intercept"], 0.0) / k if k > 0 else float("inf")
+    return {"rows": rows, "tokens_per_s": rows / tpot_limit_s,
+            "unbounded_batch_tokens_per_s": 1.0 / k if k > 0 else float("inf"),
+            "step_s": tpot_limit_s, "prompt_len": p, "output_len": d}

@@ -100,6 +100,10 @@ class AsyncEngine:
         """See LLMEngine.model_info: weight bytes as computed with, KV bytes per token, model path."""
         return self.engine.model_info()
 
+    def step_time_model(self) -> dict:
+        """See LLMEngine.step_time_model (a snapshot; the engine thread keeps refitting it)."""
+        return self.engine.step_time_model()
+
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)

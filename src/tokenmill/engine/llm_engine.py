@@ -85,7 +85,7 @@ class LLMEngine:
             model_path=source.path, model=model,
             cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
-                                      policy=args.scheduling_policy),
+                                      args.long_prefill_token_threshold, args.scheduling_policy),
             seed=args.seed, attention_backend=args.attention_backend, quantization=args.quantization,
             native_decode_layers=args.native_decode_layers, greedy_screen=args.greedy_screen)
 

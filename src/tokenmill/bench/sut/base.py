@@ -17,6 +17,9 @@ class SUT(ABC):
 
     name: str = "sut"
     tokenizer = None            # a HF tokenizer when one is known (re-tokenization, synthetic prompts)
+    # (TTFT ms, TPOT ms) sent with each request as its latency targets, where the SUT can carry them
+    # (set per run by BenchSession: the profile's limits for Server runs, None for Offline)
+    latency_targets: tuple[float | None, float | None] | None = None
 
     async def start(self) -> None:
         """Load / connect before the timed run."""

@@ -33,8 +33,10 @@ class InProcessSUT(SUT):
 
     def sampling_params(self, sample: Sample):
         from tokenmill.sampling_params import SamplingParams
+        ttft, tpot = self.latency_targets or (None, None)
         return SamplingParams(temperature=self.temperature, max_tokens=sample.max_output_tokens,
-                              min_tokens=sample.min_output_tokens, ignore_eos=sample.ignore_eos)
+                              min_tokens=sample.min_output_tokens, ignore_eos=sample.ignore_eos,
+                              ttft_target_ms=ttft, tpot_target_ms=tpot)
 
     async def process(self, sample: Sample, record: RequestRecord, clock: Clock,
                       on_first_token: FirstTokenHook = None) -> None:
