@@ -22,7 +22,7 @@ def _params(out: int, ttft=1000.0, tpot=50.0) -> SamplingParams:
 
 
 def test_slo_meets_the_targets_at_a_load_where_fcfs_misses_them():
-    arrivals = poisson_arrivals(2.2, 150, 64, 32, seed=1)
+    arrivals = poisson_arrivals(2.0, 150, 64, 32, seed=1)
     slo, fcfs = simulate(arrivals, "slo"), simulate(arrivals, "fcfs")
     assert fcfs.p99(fcfs.tpot_s.values()) > 0.050              # FCFS's prefills stretch every decode
     assert slo.p99(slo.tpot_s.values()) <= 0.050
@@ -64,17 +64,23 @@ def _decoding(s: Scheduler, n: int, now: float):
     s.update(out, RunnerOutput({sr.request_id: [5] for sr in out.scheduled if sr.sample}))
 
 
-def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_target_leaves():
-    s = _scheduler()
+def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_targets_leave():
+    clock = [0.0]
+    s = _scheduler(clock=lambda: clock[0])
     _decoding(s, 4, 0.0)
-    s.add_request(Request("long", [9] * 600, _params(8), arrival_time=0.0))
+    policy = s.policy
+    h = policy.config.horizon_steps
+    steady = policy.steady_step_s(s.running, s.step_model)
+    aim = policy.config.tpot_margin * 0.050
+    clock[0] = aim * h - steady * (h - 1) - 0.060     # the decoders' projections now leave a 60 ms step
+    assert policy.step_limit_s(s.running, clock[0], s.step_model) == pytest.approx(0.060)
+    s.add_request(Request("long", [9] * 600, _params(8), arrival_time=clock[0]))
     out = s.schedule()
     chunk = {sr.request_id: sr.num_new_tokens for sr in out.scheduled}
     assert all(chunk[f"d{i}"] == 1 for i in range(4))          # decodes always get their token
-    predicted = true_step_s(step_features(out))
-    aim = SLOPolicy().config.tpot_margin * 0.050
     assert 16 <= chunk["long"] < 600
-    assert predicted <= aim + 1e-9 and true_step_s(step_features(out)) + TRUE_COSTS["per_prefill_token"] > aim
+    predicted = true_step_s(step_features(out))
+    assert predicted <= 0.060 + 1e-9 < predicted + TRUE_COSTS["per_prefill_token"]
 
 
 def test_fcfs_takes_the_whole_prompt_in_one_step():
@@ -93,15 +99,32 @@ def test_waiting_requests_are_admitted_by_least_slack():
     assert [r.request_id for r in s.waiting] == ["soon", "late", "none"]
 
 
-def test_admission_stops_before_the_decode_batch_passes_the_target():
+def test_admission_stops_once_the_forecast_batch_would_push_a_newcomer_past_its_target():
     s = _scheduler()
     for i in range(40):
         s.add_request(Request(f"r{i}", [2] * 32, _params(32), arrival_time=0.0))
     s.schedule()
-    # steady step of n rows: 10 ms + 5 ms/row + 1 ms per prefill token (32 prompt / 32 output: 1 per row)
+    policy, n = s.policy, len(s.running)
+    assert 1 < n < 40
+    aim = policy.config.tpot_margin * 0.050
+    head = s.waiting[0]
+    assert policy.projected_tpot_s(s.running[-1], policy.forecast(s.running, s.step_model, 0.0), 0.0) <= aim
+    assert policy.projected_tpot_s(head, policy.forecast(s.running + [head], s.step_model, 0.0), 0.0) > aim
+
+
+def test_a_request_that_waited_half_its_ttft_target_is_admitted_regardless():
+    clock = [0.0]
+    s = _scheduler(clock=lambda: clock[0])
+    for i in range(40):
+        s.add_request(Request(f"r{i}", [2] * 32, _params(32, ttft=1000.0), arrival_time=0.0))
+    s.schedule()
     n = len(s.running)
-    assert SLOPolicy.steady_step_s(s.running, s.step_model) <= 0.95 * 0.050
-    assert n == math.floor((0.95 * 0.050 - 0.010) / 0.006 + 1e-9)
+    clock[0] = 0.2
+    s.schedule()
+    assert len(s.running) == n                                   # not urgent yet: the forecast still says no
+    clock[0] = 0.51
+    s.schedule()
+    assert len(s.running) == 40                                   # urgent: a TTFT miss is certain otherwise
 
 
 def test_an_empty_engine_always_admits_one_request():

@@ -60,3 +60,25 @@ def test_the_slo_class_comes_from_a_profile_or_flags():
 def test_bad_targets_are_refused(value):
     with pytest.raises(ValueError, match="ttft_target_ms"):
         SamplingParams(ttft_target_ms=value)
+
+
+def test_metrics_show_the_step_time_model_of_an_slo_server(tiny_model_dir, tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.api_server import build_app
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, num_threads=1, scheduling_policy="slo"))
+    try:
+        client = TestClient(build_app(engine, ServerConfig(slo_ttft_ms=2000, slo_tpot_ms=100), max_num_seqs=8))
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
+        lines = [l for l in client.get("/metrics").text.splitlines() if l.startswith("tokenmill:step_time_model")]
+        terms = {l.split('term="')[1].split('"')[0]: float(l.split()[-1]) for l in lines if "term=" in l}
+        assert set(terms) == {"intercept", "per_decode_row", "per_prefill_token", "per_context_read"}
+        assert terms["intercept"] > 0 and all(v >= 0 for v in terms.values())
+        observed = [float(l.split()[-1]) for l in lines if l.startswith("tokenmill:step_time_model_observations")]
+        assert observed and observed[0] >= 4
+    finally:
+        engine.shutdown()

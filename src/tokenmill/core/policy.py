@@ -49,6 +49,12 @@ class StepBudget:
             self.seconds -= self.model.marginal(chunk_features(start_position, n))
         return n
 
+    def refund(self, start_position: int, n: int) -> None:
+        """Give back a grant that was not scheduled (its request was preempted instead)."""
+        self.tokens += n
+        if self.model is not None:
+            self.seconds += self.model.marginal(chunk_features(start_position, n))
+
 
 class SchedulingPolicy:
     """Orders the waiting queue and picks preemption victims; the base class has no time limits."""

@@ -110,11 +110,13 @@ class Scheduler:
             if num_new == 0:                                   # no time left for its chunk this step
                 pending.pop(0)
                 continue
+            start = request.num_computed_tokens
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.policy.pick_victim(pending)      # never one already scheduled
                 pending.remove(victim)
                 self._preempt(victim, preempted)
                 if victim is request:
+                    budget.refund(start, num_new)
                     break
             else:
                 scheduled.append(self._scheduled(request, num_new))

@@ -1,18 +1,21 @@
-"""The SLO policy (`scheduling_policy="slo"`): steps sized to the latency targets, by the step-time model.
+"""The SLO policy (`scheduling_policy="slo"`): steps and admission sized to the latency targets, by the
+step-time model.
 
-MLPerf judges a request by its TTFT (arrival to first token) and its TPOT, the mean gap between its later
-tokens. So, per step:
-- time limit: the tightest allowance of the running requests that have a TPOT target: margin * target, plus
-  what the request has banked by running ahead of its target so far (capped); requests already behind do
-  not shrink the step (they cannot be helped without slowing everyone, and still complete, counted);
-- running decodes first (one token each, always), then prefill chunks sized into the time left;
+MLPerf judges a request by its TTFT (arrival to first token) and its TPOT, the mean step time over its whole
+decode. A TPOT is an average over a hundred steps or so: it is set by the batch a request decodes in over its
+life, far more than by any one step. So, per step:
+- time limit: each running request with a TPOT target allows the step that keeps its projected TPOT (time so
+  far, this step, then steady steps over a horizon) within margin * target; the tightest sets the limit
+  (requests that even steady steps cannot keep on target do not shrink it: they complete, counted);
+- running decodes first (one token each, always), then prefill chunks sized into the time left (the first
+  chunk gets min_prefill_chunk tokens regardless, so prefills always progress);
 - waiting requests by least slack against their TTFT deadline (arrival + target, or + default_ttft_s for
   requests without one: the deadline ages them, so nothing starves);
-- admission stops when the decode batch with one more request, plus the prefill work each step must carry
-  to keep up (prompt tokens per output token of the running mix), would take some request's projected TPOT
-  (its time so far plus its remaining tokens at that step time) past margin * target; slack a request has
-  banked by running ahead admits more. Unless even one request alone would miss: then no batch meets the
-  target, and admission serves throughput.
+- admission by forecast (core/batch_forecast.py): the batch over the coming steps, running requests leaving
+  as their tokens run out and new ones arriving at the recent rate; a request waits while, in that forecast,
+  it would run past margin * its target or would push a running request past its own. A request that has
+  waited urgent_fraction of its TTFT target is admitted anyway (its TTFT miss would be certain, a TPOT miss
+  is only forecast), and when even one request alone would miss, admission serves throughput.
 It drops nothing: a request that cannot meet its target still runs to completion.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
 from tokenmill.core.policy import SchedulingPolicy, StepBudget, register_policy
 from tokenmill.core.request import Request
 from tokenmill.core.step_time import StepFeatures, chunk_features
@@ -33,9 +37,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SLOPolicyConfig:
     tpot_margin: float = 0.95         # steps aim at this fraction of the TPOT target
-    max_bank_steps: float = 4.0       # banked slack counts up to this many targets
+    horizon_steps: int = 32           # steps ahead a request's TPOT projection spreads this step over
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
+    urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT target is admitted
+    rate_window_s: float = 60.0       # arrival rate over this window (the forecast's future arrivals)
+    rate_min_span_s: float = 10.0     # ... and over at least this span (a burst is not a rate)
+    forecast_max_steps: int = 512     # a request's remaining tokens counted at most this far ahead
 
 
 def _tpot_s(r: Request) -> float | None:
@@ -55,23 +63,34 @@ class SLOPolicy(SchedulingPolicy):
 
     def __init__(self, config: SLOPolicyConfig | None = None) -> None:
         self.config = config or SLOPolicyConfig()
+        self.arrivals = ArrivalRate(self.config.rate_window_s, min_span_s=self.config.rate_min_span_s)
 
     # ---- the step's budget --------------------------------------------------------------------------
-    def step_limit_s(self, running: list[Request], now: float) -> float:
-        """Predicted step time the running requests' TPOT targets allow (inf: none has a target)."""
+    def step_limit_s(self, running: list[Request], now: float, model) -> float:
+        """Predicted time this step may take (inf: no running request has a TPOT target). Each request with
+        a target and a first token allows the step that keeps its projected TPOT within margin * target,
+        the projection being its time so far, this step, then steady steps (steady_step_s of the running
+        batch) for the rest of a horizon: aim * (k + h) - elapsed - steady * (h - 1), for k tokens after its
+        first so far and h = min(remaining tokens, horizon_steps). The tightest request sets the limit, among
+        those that steady steps can still keep on target."""
         c, limit = self.config, math.inf
+        steady = None
         for r in running:
             target = _tpot_s(r)
             if target is None or r.first_token_time is None:
                 continue                      # no target, or still before its first token
-            aim = c.tpot_margin * target
-            bank = aim * (r.num_output_tokens - 1) - (now - r.first_token_time)
-            limit = min(limit, aim + min(max(bank, 0.0), c.max_bank_steps * aim))
+            if steady is None:
+                steady = self.steady_step_s(running, model)
+            h = min(max(r.max_tokens - r.num_output_tokens, 1), c.horizon_steps)
+            allowed = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time) \
+                - steady * (h - 1)
+            if allowed >= steady:             # below: not even steady steps keep it on target; it cannot be
+                limit = min(limit, allowed)   # helped without slowing everyone, and completes, counted
         return limit
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
         model = scheduler.step_model
-        limit = self.step_limit_s(scheduler.running, now)
+        limit = self.step_limit_s(scheduler.running, now, model)
         if not math.isfinite(limit) or not model.is_fitted:
             return StepBudget(scheduler.config.max_num_batched_tokens)
         return StepBudget(scheduler.config.max_num_batched_tokens, limit - model.coefficients["intercept"],
@@ -83,6 +102,7 @@ class SLOPolicy(SchedulingPolicy):
 
     # ---- the waiting queue ----------------------------------------------------------------------------
     def add_waiting(self, waiting: deque[Request], request: Request) -> None:
+        self.arrivals.add(request.arrival_time)
         waiting.append(request)
 
     def readmit(self, waiting: deque[Request], request: Request) -> None:
@@ -107,18 +127,46 @@ class SLOPolicy(SchedulingPolicy):
         if self.steady_step_s([request], model) > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
-        step = self.steady_step_s(batch, model)
-        return all(self.projected_tpot_s(r, step, now) <= self.config.tpot_margin * _tpot_s(r)
-                   for r in batch if _tpot_s(r) is not None)
+        urgent = self._urgent(request, now)
+        before, after = self.forecast(running, model, now), self.forecast(batch, model, now)
+        c = self.config
+        if not urgent and self.projected_tpot_s(request, after, now) > c.tpot_margin * (_tpot_s(request) or math.inf):
+            return False                      # it would run above its own target: wait for a smaller batch
+        if urgent:
+            return True                       # a TTFT miss is certain if it waits; a TPOT miss only forecast
+        return not any(self._would_miss(r, before, after, c.tpot_margin, now) for r in running)
 
-    @staticmethod
-    def projected_tpot_s(r: Request, step_s: float, now: float) -> float:
-        """r's TPOT at its end if every step from now on takes step_s: time since its first token plus its
-        remaining tokens at step_s, over its tokens after the first (a request before its first token: step_s)."""
-        remaining = max(r.max_tokens - r.num_output_tokens, 0)
-        if r.first_token_time is None or r.num_output_tokens + remaining <= 1:
-            return step_s
-        return ((now - r.first_token_time) + step_s * remaining) / (r.num_output_tokens - 1 + remaining)
+    def forecast(self, batch: list[Request], model, now: float) -> BatchForecast:
+        """The batch over the coming steps if `batch` runs now (core/batch_forecast.py)."""
+        steady = self.steady_step_s(batch, model)
+        intercept = model.coefficients["intercept"]
+        horizon = self.config.forecast_max_steps
+        remaining = tuple(min(max(r.max_tokens - r.num_output_tokens, 1), horizon) for r in batch)
+        return BatchForecast(remaining, self.arrivals.rate(now) * steady, sum(remaining) / len(remaining),
+                             intercept, max(steady - intercept, 0.0) / len(batch))
+
+    def _would_miss(self, r: Request, before: BatchForecast, after: BatchForecast, margin: float,
+                    now: float) -> bool:
+        """Admission would turn r's projected TPOT from within margin * target to past it (a request
+        already past it is not protected at everyone else's expense: it completes, counted)."""
+        target = _tpot_s(r)
+        if target is None:
+            return False
+        bar = margin * target
+        return self.projected_tpot_s(r, before, now) <= bar < self.projected_tpot_s(r, after, now)
+
+    def projected_tpot_s(self, r: Request, forecast: BatchForecast, now: float) -> float:
+        """r's TPOT at its end by the forecast: its time since its first token plus its remaining steps'
+        predicted time, over its tokens after the first (before its first token: the mean step ahead)."""
+        remaining = min(max(r.max_tokens - r.num_output_tokens, 1), self.config.forecast_max_steps)
+        if r.first_token_time is None:
+            return forecast.mean_step_s(remaining)
+        return ((now - r.first_token_time) + forecast.time_s(remaining)) / (r.num_output_tokens - 1 + remaining)
+
+    def _urgent(self, r: Request, now: float) -> bool:
+        """r has used more than urgent_fraction of its TTFT allowance waiting."""
+        t = r.sampling_params.ttft_target_ms
+        return t is not None and now - r.arrival_time > self.config.urgent_fraction * t / 1e3
 
     @staticmethod
     def steady_step_s(batch: list[Request], model) -> float:

@@ -118,3 +118,21 @@ class EngineStatsCollector(Collector):
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, attr)))
             yield c
+        yield from self._step_time_model()
+
+    def _step_time_model(self):
+        describe = getattr(self.engine, "step_time_model", None)
+        if not callable(describe):
+            return
+        model = describe()
+        g = GaugeMetricFamily(self.prefix + "step_time_model_seconds",
+                              "The scheduler's step-time model: seconds per unit of each term "
+                              "(intercept, per_decode_row, per_prefill_token, per_context_read)",
+                              labels=["model_name", "term"])
+        for term, value in model["coefficients"].items():
+            g.add_metric([self.model_name, term], value)
+        yield g
+        n = CounterMetricFamily(self.prefix + "step_time_model_observations", "Steps the step-time model was fit on",
+                                labels=["model_name"])
+        n.add_metric([self.model_name], float(model["observations"]))
+        yield n

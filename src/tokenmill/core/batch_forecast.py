@@ -1,0 +1,57 @@
+"""What the decode batch will be over the coming steps, for the SLO policy's admission test.
+
+A request's MLPerf TPOT is the mean step time over its whole decode, so what matters when admitting one is
+not the next step but the batch over the next hundred: running requests leave as their remaining tokens run
+out, and new ones arrive at the recent arrival rate, each staying about the mean output length. Batch at
+step j (1-based) = #{running r: remaining_r >= j} + rate * step_s * min(j, mean_output). Step time at batch b
+is intercept + per_row * b (per_row carrying each row's share of prefill and attention reads).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class ArrivalRate:
+    """Requests per second over the last window_s seconds of arrivals (seconds on the scheduler's clock),
+    measured over at least min_span_s, so that a burst of simultaneous arrivals does not read as a rate."""
+
+    def __init__(self, window_s: float = 60.0, max_events: int = 1024, min_span_s: float = 10.0) -> None:
+        self.window_s, self.min_span_s = window_s, min_span_s
+        self.times: deque[float] = deque(maxlen=max_events)
+
+    def add(self, t: float) -> None:
+        self.times.append(t)
+
+    def rate(self, now: float) -> float:
+        while self.times and self.times[0] < now - self.window_s:
+            self.times.popleft()
+        if len(self.times) < 2:
+            return 0.0
+        return (len(self.times) - 1) / max(now - self.times[0], self.min_span_s)
+
+
+@dataclass(frozen=True)
+class BatchForecast:
+    remaining: tuple[int, ...]        # remaining output tokens of each request in the batch
+    new_per_step: float               # expected arrivals per step (rate * step seconds)
+    mean_output: float                # steps an arrival stays
+    intercept_s: float
+    per_row_s: float
+
+    def batch_sum(self, steps: int) -> float:
+        """Sum over steps j = 1..steps of the expected batch size."""
+        running = sum(min(r, steps) for r in self.remaining)
+        d = max(self.mean_output, 1.0)
+        if steps <= d:
+            arrivals = steps * (steps + 1) / 2
+        else:
+            arrivals = d * (d + 1) / 2 + d * (steps - d)
+        return running + self.new_per_step * arrivals
+
+    def time_s(self, steps: int) -> float:
+        """Predicted seconds of the next `steps` steps."""
+        return steps * self.intercept_s + self.per_row_s * self.batch_sum(steps)
+
+    def mean_step_s(self, steps: int) -> float:
+        return self.time_s(steps) / steps if steps > 0 else 0.0
