@@ -84,3 +84,18 @@ def test_itl_not_available_without_exact_chunk_counts():
 def test_tokens_over_time_buckets():
     r = rec(0, 0, 0, 0.5, 1.5, 3, chunks=[(0.5, 1), (1.2, 1), (1.5, 1)])
     assert tokens_over_time([r], 1.0) == [(0.0, 1.0), (1.0, 2.0)]
+
+
+def test_the_step_time_model_is_read_from_a_tokenmill_servers_metrics():
+    from tokenmill.bench.session import step_time_model_from_metrics
+    text = "\n".join([
+        "# HELP tokenmill:step_time_model_seconds ...",
+        'tokenmill:step_time_model_seconds{model_name="m",term="intercept"} 0.05',
+        'tokenmill:step_time_model_seconds{model_name="m",term="per_decode_row"} 0.002',
+        'tokenmill:step_time_model_seconds{model_name="m",term="per_prefill_token"} 0.001',
+        'tokenmill:step_time_model_seconds{model_name="m",term="per_context_read"} 1e-06',
+        'tokenmill:step_time_model_observations_total{model_name="m"} 42.0'])
+    model = step_time_model_from_metrics(text)
+    assert model["coefficients"]["intercept"] == 0.05 and model["observations"] == 42
+    assert model["per_1k_context_reads_ms"] == pytest.approx(1.0)
+    assert step_time_model_from_metrics("vllm:num_requests_running 3") is None

@@ -126,10 +126,39 @@ def engine_model_info(sut: SUT) -> tuple[int | None, int | None, str]:
 
 
 def engine_step_time_model(sut: SUT) -> dict | None:
-    """The in-process engine's step-time model after a run (LLMEngine.step_time_model); None elsewhere."""
+    """The engine's step-time model after a run: in-process, LLMEngine.step_time_model(); over HTTP, a
+    tokenmill server's /metrics gauges (step_time_model_seconds); None where neither is there."""
     engine = getattr(sut, "engine", None)
     describe = getattr(engine, "step_time_model", None)
-    return describe() if callable(describe) else None
+    if callable(describe):
+        return describe()
+    url = getattr(getattr(sut, "config", None), "base_url", None)
+    if not url:
+        return None
+    import httpx
+    try:
+        text = httpx.get(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return None
+    return step_time_model_from_metrics(text)
+
+
+def step_time_model_from_metrics(text: str) -> dict | None:
+    """Parse `<prefix>step_time_model_seconds{...,term="T"} v` lines (server/metrics.py) into the shape of
+    LLMEngine.step_time_model()."""
+    coeffs, observations = {}, None
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name.endswith("step_time_model_seconds") and 'term="' in line:
+            coeffs[line.split('term="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif name.endswith("step_time_model_observations_total"):
+            observations = int(float(line.rsplit(" ", 1)[1]))
+    if set(coeffs) != {"intercept", "per_decode_row", "per_prefill_token", "per_context_read"}:
+        return None
+    return {"coefficients": coeffs, "intercept_ms": 1e3 * coeffs["intercept"],
+            "per_decode_row_ms": 1e3 * coeffs["per_decode_row"], "per_prefill_token_ms": 1e3 * coeffs["per_prefill_token"],
+            "per_1k_context_reads_ms": 1e6 * coeffs["per_context_read"], "observations": observations,
+            "source": "server /metrics", "policy": "server's"}
 
 
 class BenchSession:

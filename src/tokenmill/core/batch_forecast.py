@@ -8,8 +8,10 @@ is intercept + per_row * b (per_row carrying each row's share of prefill and att
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class ArrivalRate:
@@ -33,20 +35,24 @@ class ArrivalRate:
 
 @dataclass(frozen=True)
 class BatchForecast:
-    remaining: tuple[int, ...]        # remaining output tokens of each request in the batch
+    remaining: tuple[int, ...]        # remaining output tokens of each request in the batch, ascending
     new_per_step: float               # expected arrivals per step (rate * step seconds)
     mean_output: float                # steps an arrival stays
     intercept_s: float
     per_row_s: float
+    _prefix: tuple[int, ...] = field(init=False, repr=False)   # _prefix[i] = sum(remaining[:i])
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remaining", tuple(sorted(self.remaining)))
+        object.__setattr__(self, "_prefix", tuple(itertools.accumulate(self.remaining, initial=0)))
 
     def batch_sum(self, steps: int) -> float:
-        """Sum over steps j = 1..steps of the expected batch size."""
-        running = sum(min(r, steps) for r in self.remaining)
+        """Sum over steps j = 1..steps of the expected batch size (O(log batch))."""
+        i = bisect.bisect_right(self.remaining, steps)            # requests leaving within `steps`
+        running = self._prefix[i] + steps * (len(self.remaining) - i)
         d = max(self.mean_output, 1.0)
-        if steps <= d:
-            arrivals = steps * (steps + 1) / 2
-        else:
-            arrivals = d * (d + 1) / 2 + d * (steps - d)
+        full = min(steps, int(d))                  # steps j <= d count j arrivals still in, later ones d
+        arrivals = full * (full + 1) / 2 + d * (steps - full)
         return running + self.new_per_step * arrivals
 
     def time_s(self, steps: int) -> float:

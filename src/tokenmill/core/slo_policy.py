@@ -127,14 +127,13 @@ class SLOPolicy(SchedulingPolicy):
         if self.steady_step_s([request], model) > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
-        urgent = self._urgent(request, now)
-        before, after = self.forecast(running, model, now), self.forecast(batch, model, now)
-        c = self.config
-        if not urgent and self.projected_tpot_s(request, after, now) > c.tpot_margin * (_tpot_s(request) or math.inf):
-            return False                      # it would run above its own target: wait for a smaller batch
-        if urgent:
+        if self._urgent(request, now):
             return True                       # a TTFT miss is certain if it waits; a TPOT miss only forecast
-        return not any(self._would_miss(r, before, after, c.tpot_margin, now) for r in running)
+        before, after = self.forecast(running, model, now), self.forecast(batch, model, now)
+        aim = self.config.tpot_margin
+        if self.projected_tpot_s(request, after, now) > aim * (_tpot_s(request) or math.inf):
+            return False                      # it would run above its own target: wait for a smaller batch
+        return not any(self._would_miss(r, before, after, aim, now) for r in running)
 
     def forecast(self, batch: list[Request], model, now: float) -> BatchForecast:
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py)."""
