@@ -2,8 +2,6 @@
 they are feasible and FCFS misses them, least-slack admission, no starvation, nothing lost."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from .slo_sim import TRUE_COSTS, Arrival, poisson_arrivals, simulate, true_step_s
@@ -12,7 +10,6 @@ from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.slo_policy import SLOPolicy
 from tokenmill.core.step_time import StepFeatures, StepTimeModel, step_features
 from tokenmill.sampling_params import SamplingParams
 

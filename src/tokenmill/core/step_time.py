@@ -49,10 +49,16 @@ def chunk_features(start_position: int, num_new_tokens: int) -> StepFeatures:
 
 
 def step_features(sched_out: SchedulerOutput) -> StepFeatures:
-    f = StepFeatures()
+    """The sum of chunk_features over the step (one pass, no per-request objects: it runs every step)."""
+    rows = prefill = reads = 0
     for sr in sched_out.scheduled:
-        f = f.plus(chunk_features(sr.start_position, sr.num_new_tokens))
-    return f
+        n, s = len(sr.token_ids), sr.start_position
+        reads += n * s + n * (n + 1) // 2
+        if n == 1:
+            rows += 1
+        else:
+            prefill += n
+    return StepFeatures(rows, prefill, reads)
 
 
 class StepTimeModel:
@@ -77,7 +83,7 @@ class StepTimeModel:
         with a vanishing pull, so that the data alone decide)."""
         self.prior = {k: float((prior or {}).get(k, 0.0)) for k in FEATURE_NAMES}
         self._has_prior = prior is not None
-        self._refit()
+        self._stale = True
 
     # ---- observations -------------------------------------------------------------------------------
     def observe(self, features: StepFeatures, seconds: float) -> None:
@@ -87,7 +93,7 @@ class StepTimeModel:
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._moment = self.decay * self._moment + x * seconds
         self.num_observations += 1
-        self._refit()
+        self._stale = True                         # refit when next asked (a policy that never asks pays nothing)
 
     def _refit(self) -> None:
         theta0 = np.array([self.prior[k] for k in FEATURE_NAMES]) / _SCALE
@@ -107,6 +113,14 @@ class StepTimeModel:
                 break
             active &= ~negative
         self._theta = np.maximum(theta, 0.0)
+        self._stale = False
+
+    @property
+    def theta(self) -> np.ndarray:
+        """The fitted coefficients in the scaled feature units."""
+        if self._stale:
+            self._refit()
+        return self._theta
 
     def _weight(self) -> float:
         if self.decay == 1.0:
@@ -117,7 +131,7 @@ class StepTimeModel:
     @property
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit: intercept (s), per decode row, per prefill token, per context read."""
-        return {k: float(v) for k, v in zip(FEATURE_NAMES, self._theta * _SCALE)}
+        return {k: float(v) for k, v in zip(FEATURE_NAMES, self.theta * _SCALE)}
 
     @property
     def is_fitted(self) -> bool:
@@ -125,13 +139,13 @@ class StepTimeModel:
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds (>= 0)."""
-        return max(float(features.vector() @ self._theta), 0.0)
+        return max(float(features.vector() @ self.theta), 0.0)
 
     def marginal(self, features: StepFeatures) -> float:
         """Predicted time this work adds to a step that already runs (the intercept excluded)."""
         x = features.vector()
         x[0] = 0.0
-        return max(float(x @ self._theta), 0.0)
+        return max(float(x @ self.theta), 0.0)
 
     def max_chunk(self, start_position: int, remaining: int, seconds: float) -> int:
         """The most new tokens (<= remaining) from start_position whose marginal time fits in seconds."""
