@@ -1,5 +1,5 @@
 """Start-up calibration of the step-time model: a few seconds of synthetic steps of known shapes (decode
-batches of several sizes, prefill chunks, a mixed step), whose fitted coefficients become the model's prior.
+batches of several sizes, prefills of several lengths), whose fitted coefficients become the model's prior.
 
 The result is cached per machine and model (a JSON file under $TOKENMILL_CACHE_DIR/step-time/, keyed by the
 CPU, the thread count, the model file and every engine setting that changes a step's kernels), so only the
