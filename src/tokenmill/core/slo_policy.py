@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
-from tokenmill.core.policy import SchedulingPolicy, StepBudget, register_policy
+from tokenmill.core.policy import FCFSPolicy, StepBudget, register_policy
 from tokenmill.core.request import Request
 from tokenmill.core.step_time import StepFeatures, chunk_features
 
@@ -51,13 +51,20 @@ def _tpot_s(r: Request) -> float | None:
     return None if t is None else t / 1e3
 
 
+def _remaining(r: Request, cap: int) -> int:
+    """Output tokens r may still produce (at least 1), counted at most `cap` ahead."""
+    return min(max(r.max_tokens - r.num_output_tokens, 1), cap)
+
+
 def _deadline(r: Request, cfg: SLOPolicyConfig) -> float:
     t = r.sampling_params.ttft_target_ms
     return r.arrival_time + (cfg.default_ttft_s if t is None else t / 1e3)
 
 
 @register_policy
-class SLOPolicy(SchedulingPolicy):
+class SLOPolicy(FCFSPolicy):
+    """FCFS's queue mechanics (a preempted request resumes first), with SLO-driven budgets and order."""
+
     name = "slo"
     needs_step_model = True
 
@@ -81,7 +88,7 @@ class SLOPolicy(SchedulingPolicy):
                 continue                      # no target, or still before its first token
             if steady is None:
                 steady = self.steady_step_s(running, model)
-            h = min(max(r.max_tokens - r.num_output_tokens, 1), c.horizon_steps)
+            h = _remaining(r, c.horizon_steps)
             allowed = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time) \
                 - steady * (h - 1)
             if allowed >= steady:             # below: not even steady steps keep it on target; it cannot be
@@ -103,10 +110,7 @@ class SLOPolicy(SchedulingPolicy):
     # ---- the waiting queue ----------------------------------------------------------------------------
     def add_waiting(self, waiting: deque[Request], request: Request) -> None:
         self.arrivals.add(request.arrival_time)
-        waiting.append(request)
-
-    def readmit(self, waiting: deque[Request], request: Request) -> None:
-        waiting.appendleft(request)
+        super().add_waiting(waiting, request)
 
     def order_waiting(self, waiting: deque[Request], scheduler: "Scheduler", now: float) -> None:
         """Least slack first: TTFT deadline minus the predicted time of the prefill still to compute (now is
@@ -139,8 +143,7 @@ class SLOPolicy(SchedulingPolicy):
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py)."""
         steady = self.steady_step_s(batch, model)
         intercept = model.coefficients["intercept"]
-        horizon = self.config.forecast_max_steps
-        remaining = tuple(min(max(r.max_tokens - r.num_output_tokens, 1), horizon) for r in batch)
+        remaining = tuple(_remaining(r, self.config.forecast_max_steps) for r in batch)
         return BatchForecast(remaining, self.arrivals.rate(now) * steady, sum(remaining) / len(remaining),
                              intercept, max(steady - intercept, 0.0) / len(batch))
 
@@ -157,7 +160,7 @@ class SLOPolicy(SchedulingPolicy):
     def projected_tpot_s(self, r: Request, forecast: BatchForecast, now: float) -> float:
         """r's TPOT at its end by the forecast: its time since its first token plus its remaining steps'
         predicted time, over its tokens after the first (before its first token: the mean step ahead)."""
-        remaining = min(max(r.max_tokens - r.num_output_tokens, 1), self.config.forecast_max_steps)
+        remaining = _remaining(r, self.config.forecast_max_steps)
         if r.first_token_time is None:
             return forecast.mean_step_s(remaining)
         return ((now - r.first_token_time) + forecast.time_s(remaining)) / (r.num_output_tokens - 1 + remaining)

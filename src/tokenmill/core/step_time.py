@@ -31,10 +31,6 @@ class StepFeatures:
     prefill_tokens: int = 0
     context_reads: int = 0
 
-    def plus(self, other: "StepFeatures") -> "StepFeatures":
-        return StepFeatures(self.decode_rows + other.decode_rows, self.prefill_tokens + other.prefill_tokens,
-                            self.context_reads + other.context_reads)
-
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.decode_rows, self.prefill_tokens, self.context_reads]) * _SCALE
 
