@@ -109,12 +109,21 @@ def _as_tuple(x) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16                     # tokens per KV block
-    num_blocks: int = 0                      # set by the engine from the memory budget
+    num_blocks: int = 0                      # 0: sized by the platform after the weights are loaded
     enable_prefix_caching: bool = True
+    memory_bytes: int | None = None          # KV pool size in bytes; overrides the two fractions
+    memory_fraction: float = 0.25            # CPU: of the memory available when the pool is sized
+    gpu_memory_utilization: float = 0.9      # GPU: of the device's memory, for weights + KV + activations
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.memory_bytes}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -141,10 +150,13 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int = 0
-    attention_backend: str = "cpu"
+    device: str = "cpu"                      # resolved: "cpu" or "cuda:N" (platforms/)
+    attention_backend: str = "auto"          # "auto": the platform's default
     quantization: str | None = None          # None (checkpoint dtype), "int8", "int4", "w8a8"
     native_decode_layers: bool = True        # small decode steps: one native call per layer (decode_layer.cpp)
     greedy_screen: bool = True               # greedy steps skip the float32 logits (layers/greedy_head.py)
+    enforce_eager: bool = False              # True: no CUDA graphs
+    cuda_graph_max_batch: int = 256          # largest decode batch captured as a CUDA graph
 
 
 @dataclass
@@ -152,33 +164,43 @@ class EngineArgs:
     """User-facing engine options (LLM(**kwargs) and CLI flags share these names)."""
     model: str | None = None                 # HF directory or .gguf file; None: the default model
     tokenizer: str | None = None             # defaults to the model's own
-    dtype: str = "float32"
+    device: str = "auto"                     # "auto" (CUDA when torch sees a GPU) | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                      # "auto": the platform's (float32 on CPU, bfloat16 on CUDA)
     max_model_len: int | None = None         # default: the model's max_position_embeddings
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None # KV pool size; overrides the fraction
-    kv_cache_memory_fraction: float = 0.25   # of currently available memory
+    kv_cache_memory_fraction: float = 0.25   # CPU: of currently available memory
+    gpu_memory_utilization: float = 0.9      # GPU: fraction of the device for weights, KV cache, activations
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0    # largest prefill chunk per request per step; 0: the budget
     scheduling_policy: str = "fcfs"          # "fcfs" | "slo" (steps sized to the requests' latency targets)
     enable_prefix_caching: bool = True
     seed: int = 0
-    attention_backend: str = "cpu"           # "cpu" (fast), "reference" or "triton" (the CUDA path's kernels)
+    attention_backend: str = "auto"          # "auto" | "cpu" | "reference" | "triton" (the CUDA path's)
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
     quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
     native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
     greedy_screen: bool = True               # False: greedy steps compute every float32 logit (comparison)
+    enforce_eager: bool = False              # True: no CUDA graphs (every step eager)
+    cuda_graph_max_batch: int = 256          # decode batches up to this size replay captured graphs
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
         g.add_argument("--tokenizer", default=None)
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--device", default="auto",
+                       help="auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N")
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="compute dtype (auto: float32 on the CPU, bfloat16 on CUDA)")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        g.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
+        g.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
+                       help="CPU: the KV pool's share of the memory available after loading")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="GPU: the share of the device's memory for weights, KV cache and activations")
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--long-prefill-token-threshold", type=int, default=0,
@@ -192,7 +214,8 @@ class EngineArgs:
                             "to the requests' TPOT targets, admission by TTFT deadline")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--attention-backend", default="cpu", choices=["cpu", "reference", "triton"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
+                       help="auto: the platform's (cpu on the CPU, triton on CUDA)")
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                        help="weight quantization of every linear layer (default: none, fp32)")
@@ -201,6 +224,9 @@ class EngineArgs:
         g.add_argument("--no-greedy-screen", dest="greedy_screen", action="store_false",
                        help="greedy steps compute all float32 logits instead of an int8 screen of the "
                             "vocabulary with exact rechecks (same tokens)")
+        g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no graphs)")
+        g.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                       help="CUDA: the largest decode batch captured as a graph (larger steps run eagerly)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -217,9 +243,11 @@ class EngineArgs:
         from tokenmill.config_file import read_engine_args
         return cls(**{**read_engine_args(path), **overrides})
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self, platform_default: torch.dtype) -> torch.dtype:
+        """The compute dtype; "auto" is the platform's default."""
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype == "auto":
+            return platform_default
         if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(dtypes)}, got {self.dtype!r}")
         return dtypes[self.dtype]

@@ -7,7 +7,7 @@ import torch
 
 from tokenmill.core.messages import ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention import get_backend
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import cpu_native, torch_ops
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import build_step_inputs
 
@@ -88,12 +88,13 @@ def test_native_decode_splits_short_and_long_contexts_exactly(context_lens, head
 
 
 def test_native_kernel_is_cached_after_first_build():
-    assert cpu_kernels.load() is cpu_kernels.load()
+    assert cpu_native.load() is cpu_native.load()
 
 
 def test_native_rotary_and_swiglu_match_torch():
-    from tokenmill.layers.rotary import RotaryEmbedding, _rotate
-    native = cpu_kernels.load()
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.platforms.torch_ops import _rotate
+    native = cpu_native.load()
     g = torch.Generator().manual_seed(3)
     rope = RotaryEmbedding(16, 64, 10000.0, None)
     positions = torch.tensor([0, 5, 9, 63])
@@ -115,7 +116,7 @@ def test_native_rms_norm_matches_torch_and_updates_the_residual_in_place():
     g = torch.Generator().manual_seed(4)
     norm = RMSNorm(96, 1e-5)
     norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
-    assert norm.native is not None
+    assert norm.kernel is not torch_ops.rms_norm                 # the native kernel
     x, residual = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g)
     total = x + residual
     want = torch.nn.functional.rms_norm(total, (96,), norm.weight, 1e-5)
@@ -146,7 +147,7 @@ def prefill_step(chunks: list[tuple[int, int]], kv_heads: int, group: int, head_
 
 
 def _native_prefill_built() -> bool:
-    native = cpu_kernels.load()
+    native = cpu_native.load()
     return native is not None and native.prefill_attention_supports(64)
 
 
@@ -175,7 +176,7 @@ def test_native_prefill_kernel_matches_the_reference(chunks, head_dim, kv_heads,
 
 @needs_native_prefill
 def test_native_prefill_kernel_rejects_bad_tables():
-    native = cpu_kernels.load()
+    native = cpu_native.load()
     q, kc = torch.randn(4, 3, 64), torch.randn(1, 16, 64)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="request 0 has rows 2\\+4"):

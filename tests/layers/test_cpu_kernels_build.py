@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tokenmill.layers.cpu_kernels import _exclusive
+from tokenmill.platforms.cpu_native import _exclusive
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
@@ -16,7 +16,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
 def test_the_build_lock_is_released_when_its_holder_dies(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import os, signal
-from tokenmill.layers.cpu_kernels import _exclusive
+from tokenmill.platforms.cpu_native import _exclusive
 with _exclusive({str(tmp_path)!r}):
     print("held", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.greedy_head import GreedyHead, Int8Screen
+from tokenmill.platforms.cpu_greedy_head import GreedyHead, Int8Screen
 from tokenmill.quant.unquantized import pack_f32_tiles
 
 class _Head:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import cpu_native
 from tokenmill.quant import tile_kernels
 
 # The native decode layers chain the tile kernels, which only AVX-512 VNNI builds have.
@@ -25,12 +25,12 @@ PROMPTS = [[11, 220, 4890, 17, 9, 300, 5], [7, 8, 9], [1000, 2000, 3000, 4000, 5
 def run(model_dir: str, mode: str | None, native: bool, prompts):
     llm = LLM(model_dir, quantization=mode, native_decode_layers=native, enable_prefix_caching=False,
               kv_cache_memory_bytes=1 << 23, block_size=4)
-    model = llm.engine.core.runner.model.model
+    program = llm.engine.core.runner.fused_decode          # platforms/cpu_decode.py NativeDecodeProgram
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
     expect_native = native and mode != "w8a8"
-    assert (model.native_steps == 7) if expect_native else (model.native_steps == 0)   # 8 tokens: 7 decodes
-    bound = model.native_layers is not None
+    assert (program.steps == 7) if expect_native else (program is None)   # 8 tokens: 7 decodes
+    bound = program is not None
     return bound, [(o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
@@ -59,8 +59,8 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
     llm = LLM(tiny_model_factory("qwen2"), quantization=mode, enable_prefix_caching=False,
               kv_cache_memory_bytes=1 << 22)
     model = llm.engine.core.runner.model.model
-    assert model.native_max_rows > 10 ** 9            # int8/int4 tiles take any step; float32 has oneDNN above
-    native = cpu_kernels.load()
+    assert llm.engine.core.runner.fused_decode.max_rows > 10 ** 9            # int8/int4 tiles take any step; float32 has oneDNN above
+    native = cpu_native.load()
     for linear in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj):
         as_built = linear.native_decode_linear(native)
         for rows in (1, 16, 17, 40, 200):
@@ -83,7 +83,7 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
 def test_a_native_linear_without_a_large_kernel_says_so(tiny_model_factory):
     llm = LLM(tiny_model_factory("llama"), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22)
     linear = llm.engine.core.runner.model.model.layers[0].self_attn.o_proj
-    native = cpu_kernels.load()
+    native = cpu_native.load()
     small_only = native.DecodeLinear("f32", linear.f32_tiles, None, None, linear.out_features, 16,
                                      native.LargeLinear("", linear.f32_tiles))
     assert small_only.max_rows() == 16

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant import get_quant_method, quantize_model, supported_methods
+from tokenmill.layers.quantize import quantize_model
+from tokenmill.quant import get_quant_method, supported_methods
 from tokenmill.quant.int4 import Int4WeightOnlyMethod, quantize_groupwise_int4
 from tokenmill.quant.int8 import Int8WeightOnlyMethod, quantize_per_channel_int8
 from tokenmill.quant.unquantized import gemv_split_rows

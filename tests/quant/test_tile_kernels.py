@@ -62,7 +62,7 @@ def test_f32_linear_keeps_only_its_packed_copies_and_matches_f_linear():
     layer.weight.data.copy_(torch.randn(40, 96, generator=g))
     layer.bias.data.copy_(torch.randn(40, generator=g))
     w, b = layer.weight.data.clone(), layer.bias.data.clone()
-    layer.set_quant_method(get_quant_method("fp32"))
+    layer.set_quant_method(get_quant_method("float"))
     assert layer.weight is None and layer.tile_fn is not None    # oneDNN copy + tiles remain
     for rows in (1, tile_kernels.FLOAT32_MAX_ROWS, tile_kernels.FLOAT32_MAX_ROWS + 1):  # tiles, then oneDNN
         x = torch.randn(rows, 96, generator=g)

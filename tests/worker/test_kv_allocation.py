@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.worker.model_runner import _lazy_zeros
+from tokenmill.platforms.cpu import lazy_zeros as _lazy_zeros
 
 
 @pytest.mark.parametrize("shape", [(3, 4096, 64), (2, 8, 16), (0, 4)])   # 3 MiB, 1 KiB, empty

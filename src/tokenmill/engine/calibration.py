@@ -52,7 +52,7 @@ def cache_key(config) -> str:
              "threads": torch.get_num_threads(), "torch": torch.__version__, "model": os.path.abspath(path),
              "model_size": stat.st_size if stat else None, "model_mtime": stat.st_mtime if stat else None,
              "dtype": str(config.model.dtype), "quantization": config.quantization,
-             "attention": config.attention_backend, "native_decode": config.native_decode_layers,
+             "device": config.device, "attention": config.attention_backend, "native_decode": config.native_decode_layers,
              "greedy_screen": config.greedy_screen, "block_size": config.cache.block_size}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 

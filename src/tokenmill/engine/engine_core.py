@@ -19,6 +19,7 @@ from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_time import StepTimeModel, step_features
 from tokenmill.outputs import TokenLogprobs
+from tokenmill.platforms import Platform, resolve_platform
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -49,14 +50,18 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, weights) -> None:
-        self.config = config
-        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+    def __init__(self, config: EngineConfig, weights, platform: Platform | None = None) -> None:
+        """Loads the model on `platform` (default: config.device's), then sizes the KV pool in the memory
+        left (unless config.cache.num_blocks fixes it); self.config has the pool's size."""
+        self.platform = platform or resolve_platform(config.device)
+        self.runner = ModelRunner(config, weights, self.platform)
+        num_blocks = config.cache.num_blocks or self.runner.num_kv_blocks()
+        self.config = config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
+        self.runner.bind_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
-        self.runner = ModelRunner(config, weights)
 
     def replace_step_model(self, model: StepTimeModel) -> None:
         self.step_model = self.scheduler.step_model = model

@@ -16,9 +16,9 @@ from tokenmill.core.request import FinishReason, Request
 from tokenmill.engine.calibration import seed_step_model
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreUpdate, EngineCore, EngineStats
-from tokenmill.engine.memory import kv_budget_bytes, num_kv_blocks
 from tokenmill.loaders import open_model_source
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.platforms import resolve_platform
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -54,11 +54,12 @@ class LLMEngine:
         if args.num_threads:
             import torch
             torch.set_num_threads(args.num_threads)
+        self.platform = resolve_platform(args.device)
         source = open_model_source(args.model, args.tokenizer)
         self.model_path = source.path
         self.tokenizer = source.load_tokenizer()
-        self.config = self._make_config(args, source)
-        self.core = EngineCore(self.config, source.iter_weights())
+        self.core = EngineCore(self._make_config(args, source), source.iter_weights(), self.platform)
+        self.config = self.core.config                   # with the KV pool's size
         self.step_model_source = "online"              # where the step-time model's prior came from
         if self.core.scheduler.policy.needs_step_model:
             self.step_model_source = seed_step_model(self.core)
@@ -73,27 +74,31 @@ class LLMEngine:
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _make_config(self, args: EngineArgs, source) -> EngineConfig:
-        model = ModelConfig.from_hf(source.hf_config, args.torch_dtype)
+        model = ModelConfig.from_hf(source.hf_config, args.torch_dtype(self.platform.default_dtype))
         eos = tuple(dict.fromkeys(model.eos_token_ids + source.extra_eos_ids))
         model = replace(model, eos_token_ids=eos)
         max_len = args.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        num_blocks = num_kv_blocks(model, args.block_size, kv_budget_bytes(args), max_len, args.max_num_seqs)
+        cache = CacheConfig(args.block_size, 0, args.enable_prefix_caching, args.kv_cache_memory_bytes,
+                            args.kv_cache_memory_fraction, args.gpu_memory_utilization)
         return EngineConfig(
-            model_path=source.path, model=model,
-            cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+            model_path=source.path, model=model, cache=cache,
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                       args.long_prefill_token_threshold, args.scheduling_policy),
-            seed=args.seed, attention_backend=args.attention_backend, quantization=args.quantization,
-            native_decode_layers=args.native_decode_layers, greedy_screen=args.greedy_screen)
+            seed=args.seed, device=str(self.platform.device),
+            attention_backend=self.platform.attention_backend_name(args.attention_backend),
+            quantization=args.quantization, native_decode_layers=args.native_decode_layers,
+            greedy_screen=args.greedy_screen, enforce_eager=args.enforce_eager,
+            cuda_graph_max_batch=args.cuda_graph_max_batch)
 
     def _log_startup(self) -> None:
         c = self.config
         kv_bytes = c.cache.num_blocks * c.cache.block_size * c.model.kv_bytes_per_token
-        logger.info("tokenmill: %s (%s), %d KV blocks x %d tokens = %.0f MiB, prefix caching %s, "
-                    "start-up %.1f s", c.model.architecture, self.model_path, c.cache.num_blocks,
+        logger.info("tokenmill: %s (%s) on %s, %s, %d KV blocks x %d tokens = %.0f MiB, prefix caching %s, "
+                    "start-up %.1f s", c.model.architecture, self.model_path, self.platform.describe(),
+                    str(c.model.dtype).removeprefix("torch."), c.cache.num_blocks,
                     c.cache.block_size, kv_bytes / 2**20, "on" if c.cache.enable_prefix_caching else "off",
                     self.startup_s)
 

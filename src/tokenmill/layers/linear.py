@@ -1,17 +1,17 @@
 """Linear layers with checkpoint-aware loading. Fused projections (qkv, gate_up) are one weight whose
 row ranges are filled from several checkpoint tensors, named by shard id.
 
-The arithmetic is delegated to a quantization method object (tokenmill.quant): float32 by default;
-`set_quant_method` switches a loaded layer to another method, which packs the weight for its kernel."""
+The arithmetic is delegated to a quantization method object (tokenmill.quant): F.linear as loaded;
+`set_quant_method` switches a loaded layer to its platform's method (float or quantized), which packs the
+weight for its kernel (layers/quantize.py does it for a whole model)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tokenmill.quant.base import QuantMethod
-from tokenmill.quant.unquantized import UnquantizedMethod
+from tokenmill.quant.base import LoadedFloatMethod, QuantMethod
 
-_UNQUANTIZED = UnquantizedMethod()
+_AS_LOADED = LoadedFloatMethod()
 
 
 class Linear(nn.Module):
@@ -23,7 +23,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.has_bias, self.params_dtype = bias, dtype
         self.prefix = ""                              # module name, for error messages
-        self.quant_method: QuantMethod = _UNQUANTIZED
+        self.quant_method: QuantMethod = _AS_LOADED
         self.quant_method.create_weights(self)
         self.tile_fn = None                           # x -> y for steps of <= tile_max_rows rows
         self.tile_max_rows = 0

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import op_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -42,24 +42,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                       # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.native = cpu_kernels.load()
+        self.kernel = op_kernels().rotary
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, head_dim // 2]: once per step, shared by every layer."""
         return self.cos[positions], self.sin[positions]
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """cos_sin from gather(); q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k).
-        The native kernel rotates q and k in place (they are views of this step's fresh projection)."""
-        cos, sin = cos_sin
-        if self.native is not None and q.dtype == torch.float32 and not q.is_cuda:
-            self.native.rotary_inplace(q, cos, sin)
-            self.native.rotary_inplace(k, cos, sin)
-            return q, k
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)              # [T, 1, head_dim // 2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """cos_sin from gather(); q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim] -> rotated (q, k),
+        possibly in place (they are views of this step's fresh projection)."""
+        return self.kernel(q, k, *cos_sin)

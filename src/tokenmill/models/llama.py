@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers import cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.platforms import op_kernels
+from tokenmill.models.base import CausalLM, DenseDecoder, DenseDecoderLayer
 from tokenmill.models.weights import load_named_weights
 
 
@@ -54,14 +54,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, dtype=cfg.dtype)
         self.down_proj = Linear(size, cfg.hidden_size, dtype=cfg.dtype)
-        self.native = cpu_kernels.load()
+        self.silu_and_mul = op_kernels().silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                            # [T, 2 * intermediate]
-        if self.native is not None and gate_up.dtype == torch.float32 and not gate_up.is_cuda:
-            return self.down_proj(self.native.silu_and_mul(gate_up))
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))     # via [T, 2 * intermediate]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,8 +65,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, rope, x, residual, meta, keep_rows: torch.Tensor | None = None):
         """x, residual [T, hidden] (residual None in the first layer) -> (mlp output, residual), [T, hidden],
@@ -94,45 +90,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.native_layers: list | None = None    # csrc/decode_layer.cpp DecodeLayers, see bind_native_decode
-        self.native_max_rows = 0
-        self.native_steps = 0                     # steps that ran the native layers (observability, tests)
-
-    def bind_native_decode(self) -> bool:
-        """After quantization and KV cache binding: build one native DecodeLayer per layer, which runs decode
-        steps of up to `native_max_rows` rows with the same kernels as the per-op path, minus the Python
-        between them: any number of rows where every linear layer's tiles take every step (int8, int4) or
-        its method names its large-step kernel (float32: oneDNN), else the tile kernels' limit. False
-        (per-op path only) without the tile kernels or for layers they cannot take (e.g. w8a8)."""
-        from tokenmill.quant import tile_kernels
-        native = tile_kernels.kernels()
-        if native is None:
-            return False
-        built = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.k_cache is None or attn.k_cache.dtype != torch.float32 or attn.backend is None \
-                    or attn.backend.name != "cpu":
-                return False
-            linears = [m.native_decode_linear(native) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                 mlp.down_proj)]
-            if any(lin is None for lin in linears):
-                return False
-            norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
-            built.append(native.DecodeLayer(*norms, layer.input_layernorm.eps, *linears, attn.num_heads,
-                                            attn.num_kv_heads, attn.head_dim, attn.scale, attn.k_cache, attn.v_cache))
-        self.native_layers, self.native_max_rows = built, min(layer.max_rows() for layer in built)
-        return True
-
-    def _native_step(self, rope, meta):
-        """The native DecodeStep when this step can run the native layers: every row one request's single
-        new token, at most native_max_rows of them; else None."""
-        rows = meta.slot_mapping.numel()
-        if self.native_layers is None or meta.decode_rows is None or rows > self.native_max_rows \
-                or len(meta.seqs) != rows or meta.decode_rows.numel() != rows:
-            return None
-        return cpu_kernels.load().DecodeStep(rope[0], rope[1], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden], or of rows keep_rows only
@@ -140,22 +98,14 @@ class LlamaModel(nn.Module):
         values: in a prefill chunk only the last row is sampled)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.gather(positions)
-        step = self._native_step(rope, meta)
-        if step is not None:
-            self.native_steps += 1
-            for native_layer in self.native_layers:
-                x, residual = native_layer.forward(x, residual, step)
-            if keep_rows is not None:
-                x, residual = x[keep_rows], residual[keep_rows]
-        else:
-            last = len(self.layers) - 1
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(rope, x, residual, meta, keep_rows if i == last else None)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, meta, keep_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # fused parameter <- (checkpoint name part, shard id)
     STACKED = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -174,12 +124,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def bind_native_decode(self) -> bool:
-        return self.model.bind_native_decode()
-
     def greedy_head_linear(self) -> Linear:
-        """The Linear whose logits' argmax is the greedy token (compute_logits adds nothing to it)."""
         return self.lm_head
+
+    def dense_decoder(self) -> DenseDecoder:
+        m = self.model
+        layers = tuple(DenseDecoderLayer(layer.input_layernorm, layer.post_attention_layernorm,
+                                         layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                         layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn)
+                       for layer in m.layers)
+        return DenseDecoder(m.embed_tokens, m.rotary, layers, m.norm)
 
     def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (rows keep_rows only when given)."""

@@ -18,6 +18,9 @@ from torch import nn
 
 class QuantMethod:
     name = "base"
+    platform = "cpu"               # where its kernels run (quant/__init__.py registers it there)
+    is_float = False               # the checkpoint's float weights (no quantization)
+    direct_gguf_types: tuple[str, ...] = ()   # GGUF block types set_packed takes as they are (gguf_direct.py)
     # Quantize an lm_head that shares its weight with the input embedding (a separate packed copy; the
     # embedding itself stays float32). Worth it when the head's bytes dominate a decode step.
     quantize_tied_lm_head = True
@@ -67,3 +70,13 @@ class QuantMethod:
     @staticmethod
     def add_bias(layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         return y if layer.bias is None else y.add_(layer.bias)
+
+
+class LoadedFloatMethod(QuantMethod):
+    """A layer as built and loaded, before any method packs it: F.linear over its float weight, on any
+    device. What Linear starts with; load_and_quantize replaces it with the platform's methods."""
+    name = "loaded"
+    is_float = True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)

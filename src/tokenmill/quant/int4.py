@@ -25,6 +25,7 @@ GROUP_SIZE = 32
 
 class Int4WeightOnlyMethod(QuantMethod):
     name = "int4"
+    direct_gguf_types = ("Q4_1",)
     tile_max_rows = tile_kernels.ANY_ROWS
     lm_head_method = "int8"   # int4 lm_head: default model perplexity +4.5%; int8 head: about +0.2%
 

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import cpu_native
 
 FLOAT32_MAX_ROWS = 128         # float32 steps above this run oneDNN (prefill chunks)
 ANY_ROWS = sys.maxsize
@@ -27,7 +27,7 @@ ANY_ROWS = sys.maxsize
 
 def kernels():
     """The native module if it has the tile kernels (AVX-512 VNNI builds), else None."""
-    native = cpu_kernels.load()
+    native = cpu_native.load()
     return native if native is not None and hasattr(native, "gemv_q4") else None
 
 

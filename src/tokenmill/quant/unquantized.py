@@ -26,6 +26,7 @@ _HAS_ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.
 
 class UnquantizedMethod(QuantMethod):
     name = "fp32"
+    is_float = True
     tile_max_rows = tile_kernels.FLOAT32_MAX_ROWS
 
     def process_weights_after_loading(self, layer) -> None:

@@ -25,11 +25,11 @@ FLOAT_LAYERS = ("down_proj", "qkv_proj")
 
 class W8A8DynamicMethod(QuantMethod):
     name = "w8a8"
-    lm_head_method = "fp32"
+    lm_head_method = "float"
 
     def method_for(self, prefix: str) -> str | None:
         if prefix.split(".")[-1] in FLOAT_LAYERS:
-            return "fp32"
+            return "float"
         return super().method_for(prefix)
 
     def process_weights_after_loading(self, layer) -> None:

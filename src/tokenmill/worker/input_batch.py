@@ -18,6 +18,20 @@ class StepInputs:
     sample_rows: torch.Tensor      # [R] int64: the last new token of each request that samples
     sample_request_idx: list[int]  # [R] index into sched_out.scheduled of each sampled row
 
+    def to(self, device: torch.device) -> "StepInputs":
+        """The same inputs on `device` (copies queued without a host sync); itself on the CPU, where they
+        are built. SeqSpan.context_slots stay on the host (one copy per request would cost more than the
+        backends that read them, the reference one, save: torch moves an index tensor when it indexes)."""
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)   # noqa: E731
+        m = self.meta
+        meta = AttentionMetadata(move(m.slot_mapping), m.seqs, move(m.decode_rows), move(m.decode_slots),
+                                 move(m.decode_mask), move(m.decode_lens), move(m.prefill_spans),
+                                 move(m.prefill_slots), m.block_size, move(m.block_tables))
+        return StepInputs(move(self.input_ids), move(self.positions), meta, move(self.sample_rows),
+                          self.sample_request_idx)
+
 
 def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs:
     ids: list[int] = []

@@ -1,7 +1,7 @@
 """Executes one scheduled step: inputs -> model forward -> logits of sampled rows -> sampler.
 
-Owns the model, the KV cache tensors and per-request sampling state (seeded generators). Decides no
-policy: it computes exactly what the SchedulerOutput lists.
+Owns the model, the KV cache tensors and per-request sampling state (seeded generators), on one
+platform's device (platforms/). Decides no policy: it computes exactly what the SchedulerOutput lists.
 """
 from __future__ import annotations
 
@@ -9,51 +9,78 @@ import time
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
+from tokenmill.worker.kv_memory import kv_memory_request, num_kv_blocks, weight_bytes
 from tokenmill.layers.attention import get_backend
-from tokenmill.layers.greedy_head import GreedyHead
+from tokenmill.layers.quantize import load_and_quantize
 from tokenmill.models.registry import get_model_class
-from tokenmill.quant import get_quant_method, load_and_quantize
+from tokenmill.platforms import Platform, building
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
-from tokenmill.worker.input_batch import build_step_inputs
+from tokenmill.worker.input_batch import StepInputs, build_step_inputs
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, weights) -> None:
-        self.config = config
+    """Life cycle: __init__ (build and load the model on the platform's device), num_kv_blocks() (size the
+    pool in the memory left), bind_kv_cache(num_blocks) (allocate it; fused decode programs are built
+    now), then execute() once per step."""
+
+    def __init__(self, config: EngineConfig, weights, platform: Platform) -> None:
+        self.config, self.platform, self.device = config, platform, platform.device
         self.block_size = config.cache.block_size
-        self.model = self._build_model(config, weights)
-        self.backend = get_backend(config.attention_backend)
-        self.kv_caches = self._allocate_kv_cache(config.model, config.cache.num_blocks)
-        if config.native_decode_layers and hasattr(self.model, "bind_native_decode"):
-            self.model.bind_native_decode()            # decode steps of a few rows in one native call per layer
+        self.model = self._build_model(config, weights, platform)
+        self.backend = get_backend(platform.attention_backend_name(config.attention_backend))
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.fused_decode = None           # runs whole decode steps where the platform has a program for them
         self.greedy_head = None            # greedy steps' tokens without the float32 logits, where it applies
-        if config.greedy_screen and hasattr(self.model, "greedy_head_linear"):
-            self.greedy_head = GreedyHead.build(self.model.greedy_head_linear())
+        head = self.model.greedy_head_linear()
+        if config.greedy_screen and head is not None:
+            self.greedy_head = platform.greedy_head(head)
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
 
     @staticmethod
-    def _build_model(config: EngineConfig, weights):
+    def _build_model(config: EngineConfig, weights, platform: Platform):
         t0 = time.perf_counter()
-        q = config.quantization
-        method = get_quant_method(q) if q else None          # an unknown name fails before loading
-        model = get_model_class(config.model.architecture)(config.model)
-        load_and_quantize(model, weights, method, config.model_path)
+        method = platform.quant_method(config.quantization, config.model.dtype)   # unknown: fails before loading
+        try:
+            with building(platform, config.model.dtype):
+                model = get_model_class(config.model.architecture)(config.model)
+            load_and_quantize(model, weights, method, config.model_path)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(f"{platform.device} ran out of memory loading the weights: the model needs about "
+                              f"{weight_bytes(config.model) / 2**30:.2f} GiB at {config.model.dtype} before "
+                              "quantization. Load fewer bytes (--quantization int8 or int4), free the device, "
+                              f"or choose another (--device). ({e})") from None
         model.eval()
         model.load_time_s = time.perf_counter() - t0
         return model
 
-    def _allocate_kv_cache(self, cfg: ModelConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        num_slots = num_blocks * self.block_size
-        caches = []
-        for layer in self.model.attention_layers():
-            k = _lazy_zeros((cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.dtype)
-            v = _lazy_zeros((cfg.num_kv_heads, num_slots, cfg.head_dim), cfg.dtype)
-            layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
-            caches.append((k, v))
-        return caches
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV pool the platform's memory rule allows now that the weights are in place."""
+        c = self.config
+        request = kv_memory_request(c.cache, c.model, c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs)
+        budget = self.platform.kv_cache_bytes(request)
+        return num_kv_blocks(c.model, self.block_size, budget, c.scheduler.max_model_len, c.scheduler.max_num_seqs)
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's K and V pools [num_kv_heads, num_blocks * block_size, head_dim] and bind
+        them and the attention backend to the layers (plus the platform's scratch blocks past num_blocks);
+        then build the platform's fused decode program."""
+        cfg = self.config.model
+        shape = (cfg.num_kv_heads, (num_blocks + self.platform.scratch_blocks) * self.block_size, cfg.head_dim)
+        self.kv_caches = []
+        try:
+            for layer in self.model.attention_layers():
+                k, v = self.platform.allocate(shape, cfg.dtype), self.platform.allocate(shape, cfg.dtype)
+                layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+                self.kv_caches.append((k, v))
+        except torch.OutOfMemoryError:
+            need = 2 * len(self.model.attention_layers()) * torch.Size(shape).numel() * cfg.dtype.itemsize
+            raise MemoryError(f"{self.platform.device} ran out of memory allocating the KV cache "
+                              f"({need / 2**30:.2f} GiB for {num_blocks} blocks of {self.block_size} tokens). "
+                              "Lower --gpu-memory-utilization or set --kv-cache-memory-bytes") from None
+        self.fused_decode = self.platform.fused_decode(self.model, self.config, num_blocks)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
@@ -71,14 +98,14 @@ class ModelRunner:
             raise
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        inputs = build_step_inputs(sched_out, self.block_size)
+        inputs = build_step_inputs(sched_out, self.block_size)             # on the host
         # The last layer computes only the rows that sample (all rows' keys and values are cached anyway).
         sampled_rows = inputs.sample_rows
         if sampled_rows.numel() == inputs.input_ids.numel():     # every row samples (decodes): no selection
             sampled_rows = None
         elif sampled_rows.numel() == 0:                          # nothing samples: keep one row rather than
             sampled_rows = inputs.input_ids.new_zeros(1)         # run kernels on zero rows
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, sampled_rows)
+        hidden = self._forward(inputs, sampled_rows)
         if not inputs.sample_request_idx:
             return RunnerOutput({})
         scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]
@@ -91,6 +118,16 @@ class ModelRunner:
         sampled = {sr.request_id: [tok] for sr, tok in zip(scheduled, out.token_ids)}
         logprobs = {sr.request_id: [lp] for sr, lp in zip(scheduled, out.logprobs) if lp is not None}
         return RunnerOutput(sampled, logprobs)
+
+    def _forward(self, inputs: StepInputs, keep_rows):
+        """The step's hidden states on the device: a fused decode program where it takes the step (from
+        the host tensors), else the model's forward on the inputs copied to the device."""
+        if self.fused_decode is not None and self.fused_decode.takes(inputs.meta):
+            return self.fused_decode(inputs.input_ids, inputs.positions, inputs.meta, keep_rows)
+        inputs = inputs.to(self.device)
+        if keep_rows is not None:
+            keep_rows = keep_rows.to(self.device, non_blocking=True)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, keep_rows)
 
     def _check_vocab(self, out: RunnerOutput) -> RunnerOutput:
         """A sampled id outside the vocabulary never reaches the cache: its request fails instead."""
@@ -143,21 +180,3 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[sr.request_id] = Sampler.make_generator(sr.params.seed)
         return SamplingMeta(sr.params, gen, sr.prompt_token_ids, sr.output_token_ids, sr.eos_token_ids)
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros whose pages the OS provides on first touch, so a large pool costs nothing at start-up. Zero,
-    not garbage: padded attention reads must see finite values.
-
-    On the CPU the pool is an anonymous mapping (Python maps it shared: 4 KiB pages on Linux). Transparent
-    huge pages (a private mapping advised for them) were measured on the project's machine kind (offline
-    workload, 2 runs each): no faster in steady state, and the first run 1-2 s slower (huge-page faults
-    and zeroing), so none are asked for. Other dtypes: plain zeros."""
-    import mmap
-    import numpy as np
-    if dtype != torch.float32:
-        return torch.zeros(shape, dtype=dtype)
-    count = int(np.prod(shape))
-    region = mmap.mmap(-1, max(4 * count, 1))             # anonymous, zero-filled on first touch
-    raw = np.frombuffer(region, dtype=np.float32, count=count)   # keeps `region` alive as long as the tensor
-    return torch.from_numpy(raw.reshape(shape))

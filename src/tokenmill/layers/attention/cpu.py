@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import cpu_native
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -16,7 +16,7 @@ class CPUAttention(AttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        self.native = cpu_kernels.load()
+        self.native = cpu_native.load()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.native is not None and k.dtype == torch.float32:

@@ -14,14 +14,14 @@ class ReferenceAttention(AttentionBackend):
         self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         group = num_heads // k_cache.shape[0]
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         for s in meta.seqs:
             qs = q[s.query_start:s.query_start + s.query_len]             # [n, H, D]
             ks = k_cache[:, s.context_slots].transpose(0, 1).repeat_interleave(group, dim=1)  # [L, H, D]
             vs = v_cache[:, s.context_slots].transpose(0, 1).repeat_interleave(group, dim=1)
             scores = torch.einsum("nhd,lhd->hnl", qs.float(), ks.float()) * scale
-            q_pos = torch.arange(s.context_len - s.query_len, s.context_len).unsqueeze(1)  # [n, 1]
-            k_pos = torch.arange(s.context_len).unsqueeze(0)                               # [1, L]
+            q_pos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device).unsqueeze(1)  # [n, 1]
+            k_pos = torch.arange(s.context_len, device=q.device).unsqueeze(0)             # [1, L]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[s.query_start:s.query_start + s.query_len] = torch.einsum("hnl,lhd->nhd", probs, vs.float()).to(q.dtype)

@@ -23,6 +23,11 @@ class TritonAttention(AttentionBackend):
             raise ValueError("the triton attention backend needs the step's block tables in its metadata")
         self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
+        if meta.decode_rows is not None and meta.decode_rows.numel() == num_tokens and meta.decode_lens is not None:
+            # decodes only, row i = sequence i: device tensors alone, no host work (CUDA graphs capture this)
+            out = self.kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                                      meta.decode_lens, meta.block_size, scale)
+            return out.view(num_tokens, num_heads * head_dim)
         out = torch.empty_like(q)
         decodes = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
         prefills = [i for i, s in enumerate(meta.seqs) if s.query_len > 1]

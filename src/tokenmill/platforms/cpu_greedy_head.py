@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers import cpu_kernels
+from tokenmill.platforms import cpu_native
 
 
 class GreedyHead:
@@ -33,7 +33,7 @@ class GreedyHead:
     @staticmethod
     def build(lm_head) -> "GreedyHead | None":
         """For a float32 Linear with tiles (quant/unquantized.py) on an AVX-512 VNNI build, else None."""
-        native = cpu_kernels.load()
+        native = cpu_native.load()
         tiles = getattr(lm_head, "f32_tiles", None)
         if native is None or not hasattr(native, "greedy_head") or tiles is None or lm_head.bias is not None \
                 or tiles.shape[1] > 65536:                # int32 dot products

@@ -1,0 +1,137 @@
+"""Putting quantization methods (tokenmill.quant) onto a model's `Linear`s: after loading, or while
+loading for GGUF blocks a method takes as they are.
+
+    load_and_quantize(model, weights, method, model_path)   # method from Platform.quant_method
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import Linear
+from tokenmill.quant import get_quant_method
+from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.gguf_direct import CONVERTERS
+
+logger = logging.getLogger("tokenmill")
+
+
+def quantize_model(model: nn.Module, method: str | QuantMethod | None,
+                   quantize_tied_lm_head: bool | None = None) -> None:
+    """Switch every `Linear` of a loaded model to `method` and pack its weights (None or a "float" method:
+    the checkpoint's float weights, packed for the platform's float kernels, once, now).
+
+    An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
+    (`quantize_tied_lm_head`, overridable here); otherwise it keeps the float tensor it shares, computed
+    by the platform's float method. Embeddings are never quantized."""
+    method = get_quant_method(method or "float") if method is None or isinstance(method, str) else method
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    if method.is_float:
+        for _, layer in layers:
+            layer.set_quant_method(method)
+        return
+    tied = quantize_tied_lm_head if quantize_tied_lm_head is not None else method.quantize_tied_lm_head
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    chosen = [(n, m) for n, m in layers if tied or id(m.weight) not in shared]
+    others: dict[str, QuantMethod] = {}
+    plan = []
+    for prefix, layer in chosen:
+        alt = method.method_for(prefix)
+        plan.append((layer, method if alt is None else others.setdefault(alt, get_quant_method(alt, method.platform))))
+    for (prefix, _), (layer, m) in zip(chosen, plan):
+        layer.prefix = prefix
+        m.check_shape(layer)
+    for layer, m in plan:
+        layer.set_quant_method(m)
+    kept = [layer for _, layer in layers if all(layer is not c for _, c in chosen)]
+    if kept:             # the shared float tensor, unpacked: the float method takes it as it is
+        float_method = get_quant_method("float", method.platform)
+        for layer in kept:
+            layer.quant_method = float_method
+    logger.info("tokenmill: %s quantization of %d linear layers%s", method.name, len(chosen),
+                "" if not kept else " (tied lm_head kept float)")
+
+
+def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, model_path: str = "") -> None:
+    """Load `weights` ((checkpoint name, float tensor) pairs) into `model` and quantize it with `method`.
+    From a .gguf file whose blocks `method` takes as they are (Q4_1 -> int4), those are read directly
+    from `model_path` instead, and `weights` is never consumed."""
+    direct = method is not None and model_path.endswith(".gguf") and load_gguf_direct(model, model_path, method)
+    if not direct:
+        model.load_weights(weights)
+    quantize_model(model, method)
+
+
+def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:
+    """Load every weight of the GGUF file at `path` into `model`, Q4_1 linear weights straight into
+    `method`'s packed form (no float copy of them on the host). Returns False (nothing loaded) when the
+    method takes no GGUF format directly."""
+    if not method.direct_gguf_types:
+        return False
+    from tokenmill.loaders.gguf import GGUFFile, unpermute_rows
+    from tokenmill.loaders.gguf_dequant import dequantize
+    from gguf import GGMLQuantizationType
+
+    f = GGUFFile(path)
+    modules = dict(model.named_modules())
+    raw = {name: (typ, shape, data) for name, typ, shape, data in f.iter_raw()}
+    by_layer: dict[str, list[tuple[str, str | None]]] = {}
+    for name in raw:
+        layer_name, shard = _linear_target(name, model.STACKED)
+        if isinstance(modules.get(layer_name), Linear) and name.endswith(".weight"):
+            by_layer.setdefault(layer_name, []).append((name, shard))
+    direct: set[str] = set()
+    for layer_name, pieces in by_layer.items():
+        layer = modules[layer_name]
+        converted = [_convert(raw[n], f.needs_unpermute(n), unpermute_rows, method) for n, _ in pieces]
+        if all(c is not None for c in converted) and _fill(layer, pieces, converted, method):
+            direct.update(n for n, _ in pieces)
+            layer.weight = None                     # not a parameter any more: load_weights skips it
+
+    def rest():
+        for name, (typ, shape, data) in raw.items():
+            if name in direct:
+                continue
+            t = dequantize(data, GGMLQuantizationType[typ], shape)
+            heads = f.needs_unpermute(name)
+            yield name, (unpermute_rows(t, heads).contiguous() if heads else t)
+    model.load_weights(rest())
+    return True
+
+
+def _linear_target(name: str, stacked) -> tuple[str, str | None]:
+    """Checkpoint name -> (module name of the Linear it fills, shard id or None)."""
+    module = name.rsplit(".", 1)[0]
+    for fused, parts in stacked.items():
+        for part, shard in parts:
+            if module.endswith(f".{part}"):
+                return module[: -len(part)] + fused, shard
+    return module, None
+
+
+def _convert(entry, heads: int, unpermute_rows, method):
+    """(block type, the method's set_packed arguments for this tensor) or None if it goes the float way."""
+    typ, shape, data = entry
+    if typ not in method.direct_gguf_types or len(shape) != 2:
+        return None
+    if heads:
+        data = unpermute_rows(data, heads)
+    packed = CONVERTERS[typ](data, shape)
+    return None if packed is None else (typ, packed)
+
+
+def _fill(layer, pieces, converted, method) -> bool:
+    """Stack the shards' packed arguments in the layer's row order and pack them; False if rows or block
+    types mismatch."""
+    if len({typ for typ, _ in converted}) != 1:
+        return False
+    rows = [layer.shard_rows(shard) for _, shard in pieces]
+    order = sorted(range(len(pieces)), key=lambda i: rows[i].start)
+    parts = [converted[i][1] for i in order]
+    if sum(p[0].shape[0] for p in parts) != layer.out_features or parts[0][0].shape[1] != layer.in_features:
+        return False
+    method.check_shape(layer)
+    method.set_packed(layer, *(torch.cat([p[j] for p in parts]) for j in range(len(parts[0]))))
+    return True

@@ -1,0 +1,59 @@
+"""The interface the model runner uses of a model, and the description of a dense decoder that fused
+decode programs (platforms: the CPU's native decoder layers) take instead of probing model internals."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DenseDecoderLayer:
+    """One pre-norm layer: x + attn(input_norm(x)), then + down(silu_and_mul(gate_up(post_norm(.))))."""
+    input_norm: nn.Module          # layers/norm.py RMSNorm
+    post_norm: nn.Module
+    qkv_proj: nn.Module            # layers/linear.py MergedLinear q|k|v
+    o_proj: nn.Module
+    gate_up_proj: nn.Module        # MergedLinear gate|up
+    down_proj: nn.Module
+    attention: nn.Module           # has num_heads, num_kv_heads, head_dim, scale, k_cache, v_cache, backend
+
+
+@dataclass(frozen=True)
+class DenseDecoder:
+    """Embedding -> layers (GQA attention with rotary positions, SwiGLU MLP) -> final norm."""
+    embed: nn.Module               # nn.Embedding
+    rotary: nn.Module              # layers/rotary.py RotaryEmbedding (gather(positions) -> cos, sin)
+    layers: tuple[DenseDecoderLayer, ...]
+    final_norm: nn.Module
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model as the runner drives it. Built inside platforms.building(...)."""
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The modules the runner binds a KV cache to (k_cache, v_cache [kv_heads, slots, head_dim]) and
+        an attention backend (`backend`), in layer order."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] ([len(keep_rows), hidden] when given)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, vocab] float32."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def greedy_head_linear(self) -> nn.Module | None:
+        """The Linear whose logits' argmax is the greedy token (compute_logits adds nothing), or None."""
+        return None
+
+    def dense_decoder(self) -> DenseDecoder | None:
+        """This model as a DenseDecoder when it is one (fused decode programs then apply), else None."""
+        return None
