@@ -144,6 +144,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1            # ranks one model is split across (column/row-parallel layers)
+    data_parallel_size: int = 1              # independent engine replicas
+    distributed_executor_backend: str = "uni"   # "uni" (in process) | "mp" (a worker process per rank)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet (one engine replica per process)")
+        from tokenmill.executor import EXECUTORS
+        if self.distributed_executor_backend not in EXECUTORS:
+            raise ValueError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
+                             f"expected one of {sorted(EXECUTORS)}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError("tensor_parallel_size > 1 needs a worker process per rank: "
+                             "distributed_executor_backend='mp'")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks under one engine core."""
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
@@ -157,6 +183,8 @@ class EngineConfig:
     greedy_screen: bool = True               # greedy steps skip the float32 logits (layers/greedy_head.py)
     enforce_eager: bool = False              # True: no CUDA graphs
     cuda_graph_max_batch: int = 256          # largest decode batch captured as a CUDA graph
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    num_threads: int | None = None           # CPU threads for the model: per rank in worker processes
 
 
 @dataclass
@@ -184,6 +212,13 @@ class EngineArgs:
     greedy_screen: bool = True               # False: greedy steps compute every float32 logit (comparison)
     enforce_eager: bool = False              # True: no CUDA graphs (every step eager)
     cuda_graph_max_batch: int = 256          # decode batches up to this size replay captured graphs
+    tensor_parallel_size: int = 1            # ranks one model is split across
+    data_parallel_size: int = 1              # engine replicas (not yet: must be 1)
+    distributed_executor_backend: str | None = None   # "uni" | "mp"; None: "mp" when tensor parallel
+
+    def parallel_config(self) -> ParallelConfig:
+        backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, backend)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -225,6 +260,12 @@ class EngineArgs:
                        help="greedy steps compute all float32 logits instead of an int8 screen of the "
                             "vocabulary with exact rechecks (same tokens)")
         g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no graphs)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks the model is split across (one worker process each; CPU threads are split)")
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+        g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                       help="uni: the model in the engine's process; mp: a worker process per rank "
+                            "(default: mp when tensor parallel)")
         g.add_argument("--cuda-graph-max-batch", type=int, default=256,
                        help="CUDA: the largest decode batch captured as a graph (larger steps run eagerly)")
 

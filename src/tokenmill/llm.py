@@ -26,6 +26,10 @@ class LLM:
         self.engine = LLMEngine(args)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallel); the LLM is unusable afterwards."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

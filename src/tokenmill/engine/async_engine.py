@@ -112,6 +112,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake", None, None))
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.shutdown()                      # the executor's worker processes, if any
 
     def _submit(self, command: tuple, quiet: bool = False) -> None:
         """Queue a command for the engine thread; EngineDeadError (unless quiet) once the loop stopped."""

@@ -20,7 +20,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_time import StepTimeModel, step_features
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.executor import ExecutorFailed, make_executor
 
 logger = logging.getLogger("tokenmill")
 
@@ -54,14 +54,23 @@ class EngineCore:
         """Loads the model on `platform` (default: config.device's), then sizes the KV pool in the memory
         left (unless config.cache.num_blocks fixes it); self.config has the pool's size."""
         self.platform = platform or resolve_platform(config.device)
-        self.runner = ModelRunner(config, weights, self.platform)
-        num_blocks = config.cache.num_blocks or self.runner.num_kv_blocks()
-        self.config = config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
-        self.runner.bind_kv_cache(num_blocks)
+        self.executor = make_executor(config, weights, self.platform)
+        self.runner = self.executor.runner             # the in-process ModelRunner (uni executor), else None
+        try:
+            num_blocks = config.cache.num_blocks or self.executor.num_kv_blocks()
+            self.config = config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
+            self.executor.bind_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (if any); idempotent."""
+        self.executor.shutdown()
 
     def replace_step_model(self, model: StepTimeModel) -> None:
         self.step_model = self.scheduler.step_model = model
@@ -79,7 +88,7 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            self.runner.execute(sched_out)             # still hands over the finished ids
+            self.executor.execute(sched_out)           # still hands over the finished ids
             return []
         runner_out = self._execute_isolated(sched_out)
         produced = self.scheduler.update(sched_out, runner_out)
@@ -93,7 +102,9 @@ class EngineCore:
         requests that fail even alone are reported failed. A failed attempt leaves no trace: the runner
         restores the random generators it drew from, and the retry rewrites the same KV slots."""
         try:
-            return self.runner.execute(sched_out)
+            return self.executor.execute(sched_out)
+        except ExecutorFailed:
+            raise                                      # no request is to blame: fatal to the engine
         except Exception as e:  # noqa: BLE001 - traced to a request below, or reported for the one alone
             if len(sched_out.scheduled) == 1:
                 request_id = sched_out.scheduled[0].request_id

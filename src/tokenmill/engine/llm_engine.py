@@ -91,7 +91,8 @@ class LLMEngine:
             attention_backend=self.platform.attention_backend_name(args.attention_backend),
             quantization=args.quantization, native_decode_layers=args.native_decode_layers,
             greedy_screen=args.greedy_screen, enforce_eager=args.enforce_eager,
-            cuda_graph_max_batch=args.cuda_graph_max_batch)
+            cuda_graph_max_batch=args.cuda_graph_max_batch, parallel=args.parallel_config(),
+            num_threads=args.num_threads)
 
     def _log_startup(self) -> None:
         c = self.config
@@ -101,6 +102,10 @@ class LLMEngine:
                     str(c.model.dtype).removeprefix("torch."), c.cache.num_blocks,
                     c.cache.block_size, kv_bytes / 2**20, "on" if c.cache.enable_prefix_caching else "off",
                     self.startup_s)
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if any (idempotent; in-process engines have none)."""
+        self.core.shutdown()
 
     @property
     def max_model_len(self) -> int:

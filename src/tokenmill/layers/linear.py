@@ -1,6 +1,12 @@
 """Linear layers with checkpoint-aware loading. Fused projections (qkv, gate_up) are one weight whose
 row ranges are filled from several checkpoint tensors, named by shard id.
 
+Tensor parallelism (distributed/parallel_state.py gives the rank when the layer is built): a
+ColumnParallelLinear holds a run of the output rows (its output is this rank's slice), a
+RowParallelLinear a run of the input columns (its partial outputs are summed over ranks: one all-reduce).
+`checkpoint_slice(shard_id)` says which (rows, cols) of a checkpoint tensor this rank's parameter holds,
+so loaders read only that. In a group of one every layer is whole.
+
 The arithmetic is delegated to a quantization method object (tokenmill.quant): F.linear as loaded;
 `set_quant_method` switches a loaded layer to its platform's method (float or quantized), which packs the
 weight for its kernel (layers/quantize.py does it for a whole model)."""
@@ -9,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.communication import all_reduce
+from tokenmill.distributed.parallel_state import split_evenly, tensor_parallel
 from tokenmill.quant.base import LoadedFloatMethod, QuantMethod
 
 _AS_LOADED = LoadedFloatMethod()
@@ -45,6 +53,11 @@ class Linear(nn.Module):
         """Rows of the weight that checkpoint shard `shard_id` fills; the whole weight by default."""
         return slice(0, self.out_features)
 
+    def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
+        """(rows, cols) of checkpoint tensor `shard_id` that this rank holds; all of it by default. A bias
+        takes the rows."""
+        return slice(None), slice(None)
+
     def native_decode_linear(self, native):
         """This layer as csrc/decode_layer.cpp's DecodeLinear: the tile kernel its steps of up to
         tile_max_rows rows run and, where the method names one, the kernel `apply` runs for larger steps.
@@ -65,21 +78,69 @@ class Linear(nn.Module):
                                    large)
 
 
+class ColumnParallelLinear(Linear):
+    """This rank's run of the output rows: `rows` = (first, count) of the out_total (default: an even
+    split over the group). Its output is the local slice; nothing is communicated."""
+
+    def __init__(self, in_features: int, out_total: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 rows: tuple[int, int] | None = None) -> None:
+        tp = tensor_parallel()
+        self.rows = rows if rows is not None else split_evenly(out_total, tp.size, tp.rank)
+        super().__init__(in_features, self.rows[1], bias, dtype)
+        self.out_total = out_total
+
+    def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
+        first, count = self.rows
+        return slice(first, first + count), slice(None)
+
+
+class RowParallelLinear(Linear):
+    """This rank's run of the input columns: `cols` = (first, count) of in_total (default: an even split).
+    forward(x [T, count]) -> the sum over ranks of x W_local^T: [T, out_features] on every rank."""
+
+    def __init__(self, in_total: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 cols: tuple[int, int] | None = None) -> None:
+        tp = tensor_parallel()
+        if bias and tp.size > 1:
+            raise ValueError("a row-parallel linear layer with a bias is not supported across ranks")
+        self.cols = cols if cols is not None else split_evenly(in_total, tp.size, tp.rank)
+        super().__init__(self.cols[1], out_features, bias, dtype)
+        self.in_total = in_total
+        self.reduce = tp.size > 1
+
+    def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
+        first, count = self.cols
+        return slice(None), slice(first, first + count)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_reduce(y) if self.reduce else y
+
+
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output: e.g. q|k|v or gate|up."""
+    """Several projections of the same input stacked along the output: e.g. q|k|v or gate|up. Across
+    ranks each projection is column-parallel on its own: shard_rows[name] = (first, count) of that
+    projection's checkpoint rows held here (default: an even split of each)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype)
-        self.shard_sizes = dict(shard_sizes)
+                 dtype: torch.dtype = torch.float32, shard_runs: dict[str, tuple[int, int]] | None = None) -> None:
+        tp = tensor_parallel()
+        runs = shard_runs or {name: split_evenly(size, tp.size, tp.rank) for name, size in shard_sizes.items()}
+        super().__init__(in_features, sum(count for _, count in runs.values()), bias, dtype)
+        self.shard_runs = runs
+        self.shard_sizes = {name: runs[name][1] for name in shard_sizes}        # local sizes, in order
         offsets, start = {}, 0
-        for name, size in shard_sizes.items():
+        for name, size in self.shard_sizes.items():
             offsets[name] = slice(start, start + size)
             start += size
         self.offsets = offsets
 
     def shard_rows(self, shard_id) -> slice:
         return self.offsets[shard_id]
+
+    def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
+        first, count = self.shard_runs[shard_id]
+        return slice(first, first + count), slice(None)
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         """y [..., out_features] -> the per-shard views, in declaration order."""

@@ -13,7 +13,7 @@ from torch import nn
 from tokenmill.layers.linear import Linear
 from tokenmill.quant import get_quant_method
 from tokenmill.quant.base import QuantMethod
-from tokenmill.quant.gguf_direct import CONVERTERS
+from tokenmill.quant.gguf_direct import BLOCK_BYTES, CONVERTERS, GGUF_BLOCK
 
 logger = logging.getLogger("tokenmill")
 
@@ -71,7 +71,7 @@ def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:
     if not method.direct_gguf_types:
         return False
     from tokenmill.loaders.gguf import GGUFFile, unpermute_rows
-    from tokenmill.loaders.gguf_dequant import dequantize
+    from tokenmill.loaders.lazy import GGUFTensor
     from gguf import GGMLQuantizationType
 
     f = GGUFFile(path)
@@ -85,18 +85,16 @@ def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:
     direct: set[str] = set()
     for layer_name, pieces in by_layer.items():
         layer = modules[layer_name]
-        converted = [_convert(raw[n], f.needs_unpermute(n), unpermute_rows, method) for n, _ in pieces]
+        converted = [_convert(raw[n], f.needs_unpermute(n), unpermute_rows, method, *layer.checkpoint_slice(shard))
+                     for n, shard in pieces]
         if all(c is not None for c in converted) and _fill(layer, pieces, converted, method):
             direct.update(n for n, _ in pieces)
             layer.weight = None                     # not a parameter any more: load_weights skips it
 
-    def rest():
+    def rest():            # dequantized as read: only a tensor-parallel rank's part
         for name, (typ, shape, data) in raw.items():
-            if name in direct:
-                continue
-            t = dequantize(data, GGMLQuantizationType[typ], shape)
-            heads = f.needs_unpermute(name)
-            yield name, (unpermute_rows(t, heads).contiguous() if heads else t)
+            if name not in direct:
+                yield name, GGUFTensor(data, GGMLQuantizationType[typ], shape, f.needs_unpermute(name))
     model.load_weights(rest())
     return True
 
@@ -111,20 +109,28 @@ def _linear_target(name: str, stacked) -> tuple[str, str | None]:
     return module, None
 
 
-def _convert(entry, heads: int, unpermute_rows, method):
-    """(block type, the method's set_packed arguments for this tensor) or None if it goes the float way."""
+def _convert(entry, heads: int, unpermute_rows, method, rows: slice, cols: slice):
+    """(block type, the method's set_packed arguments for this rank's rows and columns of the tensor) or
+    None if it goes the float way (a type the method does not take, columns off block boundaries)."""
     typ, shape, data = entry
     if typ not in method.direct_gguf_types or len(shape) != 2:
         return None
     if heads:
         data = unpermute_rows(data, heads)
-    packed = CONVERTERS[typ](data, shape)
+    data = data[rows]
+    start, stop, _ = cols.indices(shape[1])
+    if (start, stop) != (0, shape[1]):
+        if start % GGUF_BLOCK or stop % GGUF_BLOCK:
+            return None
+        per_block = BLOCK_BYTES[typ]
+        data = data[:, start // GGUF_BLOCK * per_block: stop // GGUF_BLOCK * per_block]
+    packed = CONVERTERS[typ](data, (data.shape[0], stop - start))
     return None if packed is None else (typ, packed)
 
 
 def _fill(layer, pieces, converted, method) -> bool:
-    """Stack the shards' packed arguments in the layer's row order and pack them; False if rows or block
-    types mismatch."""
+    """Stack the shards' packed arguments (this rank's part of each) in the layer's row order and pack
+    them; False if rows or block types mismatch."""
     if len({typ for typ, _ in converted}) != 1:
         return False
     rows = [layer.shard_rows(shard) for _, shard in pieces]

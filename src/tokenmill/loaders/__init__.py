@@ -13,7 +13,8 @@ class ModelSource:
     path: str
     hf_config: object                                        # transformers.PretrainedConfig
     extra_eos_ids: tuple[int, ...]                           # e.g. from generation_config.json
-    iter_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF checkpoint name, tensor)
+    # (HF checkpoint name, tensor read in part on demand: loaders/lazy.py read_part)
+    iter_weights: Callable[[], Iterator[tuple[str, object]]]
     load_tokenizer: Callable[[], object]
 
 
@@ -34,13 +35,13 @@ def _gguf_source(path: str, tokenizer_path: str | None) -> ModelSource:
     from tokenmill.loaders.gguf import GGUFFile
     gguf_file = GGUFFile(path)
     tok = (lambda: _hf_tokenizer(tokenizer_path)) if tokenizer_path else gguf_file.load_tokenizer
-    return ModelSource(path, gguf_file.hf_config(), (), gguf_file.iter_tensors, tok)
+    return ModelSource(path, gguf_file.hf_config(), (), gguf_file.iter_lazy, tok)
 
 
 def _hf_dir_source(path: str, tokenizer_path: str | None) -> ModelSource:
     from tokenmill.loaders import safetensors_dir as st
     return ModelSource(path, st.load_hf_config(path), st.generation_eos_ids(path),
-                       lambda: st.iter_safetensors(path), lambda: _hf_tokenizer(tokenizer_path or path))
+                       lambda: st.iter_safetensors_lazy(path), lambda: _hf_tokenizer(tokenizer_path or path))
 
 
 def _hf_tokenizer(path: str):

@@ -100,6 +100,13 @@ class GGUFFile:
             tensor = self._dequantize(info)
             yield hf_name, (unpermute_rows(tensor, n_head).contiguous() if n_head else tensor)
 
+    def iter_lazy(self):
+        """(HF name, loaders/lazy.py GGUFTensor) for every weight: dequantized in part when read (a
+        tensor-parallel rank's rows and columns), Q/K rows in HF order. Validates like iter_tensors."""
+        from tokenmill.loaders.lazy import GGUFTensor
+        for info, hf_name, n_head in self._plan(check_types=True):
+            yield hf_name, GGUFTensor(self._raw(info), info.ggml_type, info.shape, n_head)
+
     def iter_raw(self) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
         """(HF name, ggml type name e.g. "Q4_1", HF logical shape, raw bytes) for every weight.
 

@@ -39,6 +39,16 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iter_safetensors_lazy(model_dir: str):
+    """(checkpoint name, loaders/lazy.py SafetensorsSlice) for every tensor: read in part on demand,
+    each before the next is yielded."""
+    from tokenmill.loaders.lazy import SafetensorsSlice
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, SafetensorsSlice(f, name)
+
+
 def load_hf_config(model_dir: str):
     from transformers import AutoConfig
     if not os.path.exists(os.path.join(model_dir, "config.json")):

@@ -8,6 +8,28 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import split_evenly, tensor_parallel
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """This tensor-parallel rank's attention heads: a run of kv heads (an even split) and their groups of
+    query heads."""
+    first_kv_head: int
+    num_kv_heads: int
+    first_head: int
+    num_heads: int
+
+
+def attention_heads(cfg) -> AttentionHeads:
+    tp = tensor_parallel()
+    if cfg.num_kv_heads < tp.size:
+        raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's {cfg.num_kv_heads} key/value "
+                         "heads (each rank holds at least one)")
+    group = cfg.num_heads // cfg.num_kv_heads
+    first, count = split_evenly(cfg.num_kv_heads, tp.size, tp.rank)
+    return AttentionHeads(first, count, first * group, count * group)
+
 
 @dataclass(frozen=True)
 class DenseDecoderLayer:
@@ -24,7 +46,7 @@ class DenseDecoderLayer:
 @dataclass(frozen=True)
 class DenseDecoder:
     """Embedding -> layers (GQA attention with rotary positions, SwiGLU MLP) -> final norm."""
-    embed: nn.Module               # nn.Embedding
+    embed: nn.Module               # layers/embedding.py VocabParallelEmbedding (whole in a group of one)
     rotary: nn.Module              # layers/rotary.py RotaryEmbedding (gather(positions) -> cos, sin)
     layers: tuple[DenseDecoderLayer, ...]
     final_norm: nn.Module

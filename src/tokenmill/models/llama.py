@@ -12,21 +12,26 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
-from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.layers.embedding import VocabParallelEmbedding, gather_logits
+from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.platforms import op_kernels
-from tokenmill.models.base import CausalLM, DenseDecoder, DenseDecoderLayer
+from tokenmill.models.base import CausalLM, DenseDecoder, DenseDecoderLayer, attention_heads
 from tokenmill.models.weights import load_named_weights
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads = attention_heads(cfg)                   # this tensor-parallel rank's run of kv heads
+        d = self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        q_run, kv_run = (heads.first_head * d, heads.num_heads * d), (heads.first_kv_head * d, heads.num_kv_heads * d)
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                     bias=cfg.attention_bias, dtype=cfg.dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, dtype=cfg.dtype)
+                                     bias=cfg.attention_bias, dtype=cfg.dtype,
+                                     shard_runs={"q": q_run, "k": kv_run, "v": kv_run})
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, dtype=cfg.dtype, cols=q_run)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
         self.backend: AttentionBackend | None = None   # bound by the model runner
@@ -53,7 +58,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, dtype=cfg.dtype)
-        self.down_proj = Linear(size, cfg.hidden_size, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype)
         self.silu_and_mul = op_kernels().silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +91,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
@@ -117,7 +121,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)   # vocab runs
         if cfg.tie_word_embeddings:   # one tensor, two uses; loaded as model.embed_tokens.weight
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -141,7 +145,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()

@@ -9,6 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.loaders.lazy import read_part
+
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                        stacked: dict[str, list[tuple[str, str]]], ignored_suffixes=(), skip=()) -> None:
@@ -51,12 +53,19 @@ def _expected_pieces(params, modules, stacked) -> set[tuple[str, str | None]]:
     return out
 
 
-def _copy_into(param: torch.Tensor, module: nn.Module, shard, ckpt_name: str, tensor: torch.Tensor) -> None:
+def _copy_into(param: torch.Tensor, module: nn.Module, shard, ckpt_name: str, value) -> None:
+    """value: a tensor or a loaders/lazy.py checkpoint tensor; only the module's slice of it is read (a
+    tensor-parallel rank's rows or columns, checkpoint_slice) and checked against the parameter."""
     target = param.data
     if shard is not None:
-        rows = module.shard_rows(shard)
-        target = target[rows]
+        target = target[module.shard_rows(shard)]
+    part = getattr(module, "checkpoint_slice", None)
+    rows, cols = part(shard) if part is not None else (slice(None), slice(None))
+    full = tuple(value.shape)
+    tensor = read_part(value, rows, cols) if (rows, cols) != (slice(None), slice(None)) or \
+        not isinstance(value, torch.Tensor) else value
     if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+        held = "" if tuple(tensor.shape) == full else f" (this rank's part of {full})"
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}{held}, "
                          f"expected {tuple(target.shape)}")
     target.copy_(tensor.to(target.dtype))

@@ -34,6 +34,7 @@ class KVMemoryRequest:
     memory_fraction: float            # CPU: of the memory available when the pool is sized
     gpu_memory_utilization: float     # GPU: the fraction of the whole device the engine may use in all
     activation_bytes: int             # the engine's estimate of a step's peak temporaries, kept free
+    processes_sharing_memory: int = 1 # ranks whose pools share this memory (CPU: all ranks of the machine)
 
 
 class Platform:

@@ -25,8 +25,9 @@ class CPUPlatform(Platform):
         return _native_ops(native)
 
     def fused_decode(self, model, config, num_blocks: int):
+        from tokenmill.distributed.parallel_state import tensor_parallel
         decoder = model.dense_decoder()
-        if not config.native_decode_layers or decoder is None:
+        if not config.native_decode_layers or decoder is None or tensor_parallel().size > 1:   # no all-reduce
             return None
         from tokenmill.platforms.cpu_decode import NativeDecodeProgram
         return NativeDecodeProgram.build(decoder)
@@ -36,9 +37,11 @@ class CPUPlatform(Platform):
         return GreedyHead.build(lm_head)
 
     def kv_cache_bytes(self, request: KVMemoryRequest) -> int:
-        if request.memory_bytes is not None:
-            return request.memory_bytes
-        return int(available_memory_bytes() * request.memory_fraction)
+        """The explicit size, or the fraction of the memory available now; either split between the ranks
+        that share this machine (kv_cache_memory_bytes is the engine's total)."""
+        total = request.memory_bytes if request.memory_bytes is not None else \
+            int(available_memory_bytes() * request.memory_fraction)
+        return total // request.processes_sharing_memory
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return lazy_zeros(shape, dtype)

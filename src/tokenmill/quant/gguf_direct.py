@@ -48,3 +48,5 @@ def q8_0_to_int8(raw: np.ndarray | torch.Tensor, shape: tuple[int, int]):
 
 
 CONVERTERS = {"Q4_1": q4_1_to_int4, "Q8_0": q8_0_to_int8}   # ggml type -> raw rows, shape -> set_packed args
+BLOCK_BYTES = {"Q4_1": Q4_1_BLOCK_BYTES, "Q8_0": Q8_0_BLOCK_BYTES}
+GGUF_BLOCK = 32                                               # values per block of both

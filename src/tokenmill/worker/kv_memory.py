@@ -25,18 +25,19 @@ def weight_bytes(model: ModelConfig) -> int:
     return (model.num_layers * per_layer + heads * model.vocab_size * h + h) * model.dtype.itemsize
 
 
-def kv_memory_request(cache, model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> KVMemoryRequest:
+def kv_memory_request(cache, model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                      processes_sharing_memory: int = 1) -> KVMemoryRequest:
     return KVMemoryRequest(cache.memory_bytes, cache.memory_fraction, cache.gpu_memory_utilization,
-                           activation_bytes(model, max_num_batched_tokens, max_num_seqs))
+                           activation_bytes(model, max_num_batched_tokens, max_num_seqs), processes_sharing_memory)
 
 
-def num_kv_blocks(model: ModelConfig, block_size: int, budget_bytes: int, max_model_len: int,
+def num_kv_blocks(kv_bytes_per_token: int, block_size: int, budget_bytes: int, max_model_len: int,
                   max_num_seqs: int) -> int:
     """Blocks that fit the budget, but no more than all sequences at full length could ever use."""
-    block_bytes = model.kv_bytes_per_token * block_size
+    block_bytes = kv_bytes_per_token * block_size
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block of {block_bytes} bytes "
-                         f"({block_size} tokens x {model.kv_bytes_per_token} bytes per token)")
+                         f"({block_size} tokens x {kv_bytes_per_token} bytes per token)")
     most_ever = max_num_seqs * (-(-max_model_len // block_size))
     return min(num_blocks, most_ever)

@@ -15,6 +15,7 @@ from tokenmill.worker.kv_memory import kv_memory_request, num_kv_blocks, weight_
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.quantize import load_and_quantize
 from tokenmill.models.registry import get_model_class
+from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.platforms import Platform, building
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
 from tokenmill.worker.input_batch import StepInputs, build_step_inputs
@@ -34,7 +35,7 @@ class ModelRunner:
         self.fused_decode = None           # runs whole decode steps where the platform has a program for them
         self.greedy_head = None            # greedy steps' tokens without the float32 logits, where it applies
         head = self.model.greedy_head_linear()
-        if config.greedy_screen and head is not None:
+        if config.greedy_screen and head is not None and tensor_parallel().size == 1:   # needs the whole head
             self.greedy_head = platform.greedy_head(head)
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -56,27 +57,35 @@ class ModelRunner:
         model.load_time_s = time.perf_counter() - t0
         return model
 
-    def num_kv_blocks(self) -> int:
-        """Blocks of the KV pool the platform's memory rule allows now that the weights are in place."""
+    def num_kv_blocks(self, processes_sharing_memory: int = 1) -> int:
+        """Blocks of this rank's KV pool the platform's memory rule allows now that the weights are in
+        place (`processes_sharing_memory` ranks on this machine split the CPU's budget)."""
         c = self.config
-        request = kv_memory_request(c.cache, c.model, c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs)
+        request = kv_memory_request(c.cache, c.model, c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs,
+                                    processes_sharing_memory)
         budget = self.platform.kv_cache_bytes(request)
-        return num_kv_blocks(c.model, self.block_size, budget, c.scheduler.max_model_len, c.scheduler.max_num_seqs)
+        return num_kv_blocks(self.kv_bytes_per_token(), self.block_size, budget, c.scheduler.max_model_len,
+                             c.scheduler.max_num_seqs)
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token on this rank (its kv heads), in bytes."""
+        itemsize = self.config.model.dtype.itemsize
+        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self.model.attention_layers())
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's K and V pools [num_kv_heads, num_blocks * block_size, head_dim] and bind
         them and the attention backend to the layers (plus the platform's scratch blocks past num_blocks);
         then build the platform's fused decode program."""
-        cfg = self.config.model
-        shape = (cfg.num_kv_heads, (num_blocks + self.platform.scratch_blocks) * self.block_size, cfg.head_dim)
+        dtype, slots = self.config.model.dtype, (num_blocks + self.platform.scratch_blocks) * self.block_size
         self.kv_caches = []
         try:
             for layer in self.model.attention_layers():
-                k, v = self.platform.allocate(shape, cfg.dtype), self.platform.allocate(shape, cfg.dtype)
+                shape = (layer.num_kv_heads, slots, layer.head_dim)          # this rank's kv heads
+                k, v = self.platform.allocate(shape, dtype), self.platform.allocate(shape, dtype)
                 layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
                 self.kv_caches.append((k, v))
         except torch.OutOfMemoryError:
-            need = 2 * len(self.model.attention_layers()) * torch.Size(shape).numel() * cfg.dtype.itemsize
+            need = self.kv_bytes_per_token() * slots
             raise MemoryError(f"{self.platform.device} ran out of memory allocating the KV cache "
                               f"({need / 2**30:.2f} GiB for {num_blocks} blocks of {self.block_size} tokens). "
                               "Lower --gpu-memory-utilization or set --kv-cache-memory-bytes") from None

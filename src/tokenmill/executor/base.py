@@ -1,0 +1,28 @@
+"""The interface between the engine core and the ranks that run the model."""
+from __future__ import annotations
+
+from tokenmill.core.messages import RunnerOutput, SchedulerOutput
+
+
+class ExecutorFailed(RuntimeError):
+    """A worker died, hung or could not start: fatal to the engine (no request is to blame)."""
+
+
+class Executor:
+    name = "base"
+    runner = None            # the in-process ModelRunner, where there is one (uni)
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks every rank can hold (the least of the ranks'), after the weights are loaded."""
+        raise NotImplementedError
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """One step on every rank. Raises the step's error (a request's fault: the core bisects), or
+        ExecutorFailed (fatal)."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""

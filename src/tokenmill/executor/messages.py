@@ -1,0 +1,130 @@
+"""The step message from the engine to worker processes: a SchedulerOutput as a delta against what each
+worker already knows, so its size does not grow with context length.
+
+A request's first message carries its tokens so far, sampling parameters and block table (NewRequest);
+later ones only the tokens and blocks appended since (usually the one token sampled last step, and a block
+every block_size tokens). Between admission and finishing or preemption a request's tokens and blocks
+only grow (the scheduler's invariant); preempted and finished requests are dropped on both sides, and a
+preempted one is sent whole again when it is scheduled again. A step sent twice (the engine core's
+bisection after a failed step) sends nothing twice.
+
+    encoder = DeltaEncoder(); msg = encoder.encode(sched_out)      # engine side
+    decoder = DeltaDecoder(); sched_out = decoder.decode(msg)      # each worker
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.core.messages import ScheduledRequest, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    token_ids: list[int]              # prompt + outputs so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class ScheduledDelta:
+    request_id: str
+    start_position: int               # as ScheduledRequest
+    num_new_tokens: int
+    sample: bool
+    appended_token_ids: list[int]     # tokens since the worker's last view of the request
+    appended_block_ids: list[int]     # blocks since then
+    new: NewRequest | None = None     # set on the request's first message (then the two above are empty)
+
+
+@dataclass
+class StepDelta:
+    scheduled: list[ScheduledDelta]                       # in the SchedulerOutput's order
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+
+class DeltaEncoder:
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[int, int]] = {}        # request id -> (tokens sent, blocks sent)
+
+    def encode(self, out: SchedulerOutput) -> StepDelta:
+        for rid in (*out.finished_request_ids, *out.preempted_request_ids):
+            self.sent.pop(rid, None)
+        deltas = []
+        for sr in out.scheduled:
+            num_tokens = len(sr.prompt_token_ids) + len(sr.output_token_ids)
+            known = self.sent.get(sr.request_id)
+            if known is None:
+                tokens = [*sr.prompt_token_ids, *sr.output_token_ids]
+                new = NewRequest(tokens, len(sr.prompt_token_ids), sr.params, tuple(sr.eos_token_ids))
+                deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample, [],
+                                             list(sr.block_ids), new))
+            else:
+                sent_tokens, sent_blocks = known
+                appended = [*sr.output_token_ids[sent_tokens - len(sr.prompt_token_ids):]] \
+                    if num_tokens > sent_tokens else []
+                deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample,
+                                             appended, list(sr.block_ids[sent_blocks:])))
+            self.sent[sr.request_id] = (num_tokens, len(sr.block_ids))
+        return StepDelta(deltas, list(out.finished_request_ids), list(out.preempted_request_ids))
+
+
+@dataclass
+class _Known:
+    tokens: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+
+
+class DeltaDecoder:
+    def __init__(self) -> None:
+        self.known: dict[str, _Known] = {}
+
+    def decode(self, msg: StepDelta) -> SchedulerOutput:
+        for rid in (*msg.finished_request_ids, *msg.preempted_request_ids):
+            self.known.pop(rid, None)
+        scheduled = []
+        for d in msg.scheduled:
+            if d.new is not None:
+                k = self.known[d.request_id] = _Known(list(d.new.token_ids), d.new.num_prompt_tokens, d.new.params,
+                                                      d.new.eos_token_ids, list(d.appended_block_ids))
+            else:
+                k = self.known[d.request_id]
+                k.tokens.extend(d.appended_token_ids)
+                k.block_ids.extend(d.appended_block_ids)
+            start = d.start_position
+            scheduled.append(ScheduledRequest(
+                d.request_id, k.tokens[start:start + d.num_new_tokens], start, k.block_ids, d.sample, k.params,
+                ListView(k.tokens, 0, k.num_prompt_tokens), ListView(k.tokens, k.num_prompt_tokens, None),
+                k.eos_token_ids))
+        return SchedulerOutput(scheduled, list(msg.finished_request_ids), list(msg.preempted_request_ids))
+
+
+class ListView(Sequence):
+    """items[start:stop] (stop None: to the end, as the list grows) without copying: the prompt and output
+    views of a worker's token list, read-only, like the scheduler's."""
+    __slots__ = ("items", "start", "stop")
+
+    def __init__(self, items: list, start: int, stop: int | None) -> None:
+        self.items, self.start, self.stop = items, start, stop
+
+    def __len__(self) -> int:
+        return (len(self.items) if self.stop is None else self.stop) - self.start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.items[self.start + j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.items[self.start + i]
+
+    def __iter__(self):
+        stop = len(self.items) if self.stop is None else self.stop
+        return (self.items[j] for j in range(self.start, stop))
