@@ -148,13 +148,12 @@ class ParallelConfig:
     tensor_parallel_size: int = 1            # ranks one model is split across (column/row-parallel layers)
     data_parallel_size: int = 1              # independent engine replicas
     distributed_executor_backend: str = "uni"   # "uni" (in process) | "mp" (a worker process per rank)
+    replicas_sharing_host: int = 1           # engine replicas on this machine (their CPU KV budgets split)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not supported yet (one engine replica per process)")
         from tokenmill.executor import EXECUTORS
         if self.distributed_executor_backend not in EXECUTORS:
             raise ValueError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
@@ -165,7 +164,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks under one engine core."""
+        """Ranks under one engine core (each replica has its own)."""
         return self.tensor_parallel_size
 
 
@@ -213,7 +212,7 @@ class EngineArgs:
     enforce_eager: bool = False              # True: no CUDA graphs (every step eager)
     cuda_graph_max_batch: int = 256          # decode batches up to this size replay captured graphs
     tensor_parallel_size: int = 1            # ranks one model is split across
-    data_parallel_size: int = 1              # engine replicas (not yet: must be 1)
+    data_parallel_size: int = 1              # engine replicas, each in its own process with its own model
     distributed_executor_backend: str | None = None   # "uni" | "mp"; None: "mp" when tensor parallel
 
     def parallel_config(self) -> ParallelConfig:

@@ -47,15 +47,7 @@ class Scheduler:
         self.policy.add_waiting(self.waiting, request)
 
     def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
-        """A prompt that could never be scheduled is an error now, not a hang later: the prompt and one
-        output token must fit both the context window and the whole KV pool."""
-        if num_prompt_tokens == 0:
-            raise ValueError(f"{what}: the prompt is empty; at least one token is needed")
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if num_prompt_tokens + 1 > min(self.config.max_model_len, capacity):
-            raise ValueError(
-                f"{what}: {num_prompt_tokens} prompt tokens plus 1 output token do not fit: the context "
-                f"window is {self.config.max_model_len} tokens and the KV cache holds {capacity} tokens")
+        check_prompt_fits(num_prompt_tokens, self.config.max_model_len, self.kv.num_blocks * self.kv.block_size, what)
 
     def finish_requests(self, request_ids, reason: FinishReason, stop_reason=None) -> list[Request]:
         """Finish requests from outside (abort, stop strings). Unknown or finished ids are ignored."""
@@ -203,3 +195,14 @@ class Scheduler:
                 self._free(request)
                 break
         return accepted
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int, capacity_tokens: int, what: str = "prompt") -> None:
+    """A prompt that could never be scheduled is an error now, not a hang later: the prompt and one output
+    token must fit both the context window and the whole KV pool (capacity_tokens)."""
+    if num_prompt_tokens == 0:
+        raise ValueError(f"{what}: the prompt is empty; at least one token is needed")
+    if num_prompt_tokens + 1 > min(max_model_len, capacity_tokens):
+        raise ValueError(
+            f"{what}: {num_prompt_tokens} prompt tokens plus 1 output token do not fit: the context "
+            f"window is {max_model_len} tokens and the KV cache holds {capacity_tokens} tokens")

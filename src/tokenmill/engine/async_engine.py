@@ -96,6 +96,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def replica_stats(self) -> list:
+        """See LLMEngine.replica_stats."""
+        return self.engine.replica_stats()
+
     def model_info(self) -> dict:
         """See LLMEngine.model_info: weight bytes as computed with, KV bytes per token, model path."""
         return self.engine.model_info()

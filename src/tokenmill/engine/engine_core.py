@@ -68,6 +68,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
 
+    def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
+        self.scheduler.check_fits(num_prompt_tokens, what)
+
     def shutdown(self) -> None:
         """Stop the executor's workers (if any); idempotent."""
         self.executor.shutdown()

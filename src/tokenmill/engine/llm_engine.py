@@ -16,6 +16,7 @@ from tokenmill.core.request import FinishReason, Request
 from tokenmill.engine.calibration import seed_step_model
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreUpdate, EngineCore, EngineStats
+from tokenmill.engine.replicas import ReplicatedCore
 from tokenmill.loaders import open_model_source
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platforms import resolve_platform
@@ -58,11 +59,17 @@ class LLMEngine:
         source = open_model_source(args.model, args.tokenizer)
         self.model_path = source.path
         self.tokenizer = source.load_tokenizer()
-        self.core = EngineCore(self._make_config(args, source), source.iter_weights(), self.platform)
-        self.config = self.core.config                   # with the KV pool's size
+        config = self._make_config(args, source)
         self.step_model_source = "online"              # where the step-time model's prior came from
-        if self.core.scheduler.policy.needs_step_model:
-            self.step_model_source = seed_step_model(self.core)
+        if config.parallel.data_parallel_size > 1:       # replicas in their own processes (they calibrate)
+            self.core = ReplicatedCore(config, config.parallel.data_parallel_size, args.num_threads,
+                                       args.enable_prefix_caching)
+            self.step_model_source = "replica 0"
+        else:
+            self.core = EngineCore(config, source.iter_weights(), self.platform)
+            if self.core.scheduler.policy.needs_step_model:
+                self.step_model_source = seed_step_model(self.core)
+        self.config = self.core.config                   # with the KV pool's size
         self.eos_token_ids = self.config.model.eos_token_ids
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
@@ -151,7 +158,7 @@ class LLMEngine:
         """What add_request checks besides the prompt's ids (reads only configuration: safe from any
         thread). ValueError naming the parameter or the prompt's size at fault."""
         params.check_for_model(self.config.model.vocab_size, self.eos_token_ids)
-        self.core.scheduler.check_fits(num_prompt_tokens, what)
+        self.core.check_fits(num_prompt_tokens, what)
 
     def _new_completion(self, state: _RequestState, index: int, arrival: float) -> _Completion:
         params = state.params
@@ -282,11 +289,8 @@ class LLMEngine:
     def model_info(self) -> dict:
         """Static facts for efficiency reports: bytes the weights occupy as computed with (after any
         quantization), KV bytes per token, and where the model came from."""
-        model = self.core.runner.model
-        weight_bytes = sum(t.numel() * t.element_size() for t in
-                           list(model.parameters()) + list(model.buffers()) if t.dim() >= 2)
         return {"model_path": self.model_path, "architecture": self.config.model.architecture,
-                "weight_bytes": weight_bytes, "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
+                "weight_bytes": self.core.executor.weight_bytes(), "kv_bytes_per_token": self.config.model.kv_bytes_per_token,
                 "max_model_len": self.max_model_len, "quantization": self.config.quantization,
                 "num_kv_blocks": self.config.cache.num_blocks, "block_size": self.config.cache.block_size}
 
@@ -294,6 +298,10 @@ class LLMEngine:
         """The step-time model now: coefficients (ms per unit), observations, and where its prior came from."""
         return {**self.core.step_model.describe(), "source": self.step_model_source,
                 "policy": self.config.scheduler.policy}
+
+    def replica_stats(self) -> list[EngineStats | None]:
+        """Data parallel: each replica's last reported stats (None for a dead one); [] with one engine."""
+        return self.core.replica_stats() if isinstance(self.core, ReplicatedCore) else []
 
     def stats(self) -> EngineStats:
         s = self.core.stats()

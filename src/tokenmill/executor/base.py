@@ -19,6 +19,10 @@ class Executor:
     def bind_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy as computed with (after any quantization), summed over the ranks."""
+        raise NotImplementedError
+
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """One step on every rank. Raises the step's error (a request's fault: the core bisects), or
         ExecutorFailed (fatal)."""

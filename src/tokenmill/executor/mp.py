@@ -32,16 +32,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_ranks_fit(world_size: int, platform) -> None:
+def check_ranks_fit(world_size: int, device: torch.device, what: str = "tensor-parallel ranks") -> None:
     """More ranks than this machine has devices (CUDA) or cores (CPU): a clear error before starting any."""
-    if platform.device.type == "cuda":
+    if device.type == "cuda":
         count = torch.cuda.device_count()
         if world_size > count:
-            raise ValueError(f"{world_size} tensor-parallel ranks need {world_size} CUDA GPUs; this machine has {count}")
+            raise ValueError(f"{world_size} {what} need {world_size} CUDA GPUs; this machine has {count}")
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if world_size > cores:
-            raise ValueError(f"{world_size} tensor-parallel ranks need a CPU core each; this process may use {cores}")
+            raise ValueError(f"{world_size} {what} need a CPU core each; this process may use {cores}")
 
 
 class MultiprocExecutor(Executor):
@@ -52,7 +52,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config, weights, platform) -> None:
         world = config.parallel.world_size
-        check_ranks_fit(world, platform)
+        check_ranks_fit(world, platform.device)
         threads = max(1, (config.num_threads or torch.get_num_threads()) // world)
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -61,7 +61,8 @@ class MultiprocExecutor(Executor):
         self._closed = False
         for rank in range(world):
             device = f"cuda:{rank}" if platform.device.type == "cuda" else "cpu"
-            spec = WorkerSpec(rank, world, init_method, device, threads, world if device == "cpu" else 1)
+            sharing = world * config.parallel.replicas_sharing_host if device == "cpu" else 1
+            spec = WorkerSpec(rank, world, init_method, device, threads, sharing)
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(spec, config, child), daemon=True,
                                name=f"tokenmill-rank{rank}")
@@ -82,6 +83,9 @@ class MultiprocExecutor(Executor):
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         self._command(("bind_kv_cache", num_blocks))
+
+    def weight_bytes(self) -> int:
+        return sum(self._command(("weight_bytes",)))
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         results = self._command(("step", self.encoder.encode(sched_out)))

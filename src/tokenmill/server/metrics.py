@@ -118,7 +118,27 @@ class EngineStatsCollector(Collector):
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, attr)))
             yield c
+        yield from self._per_replica()
         yield from self._step_time_model()
+
+    def _per_replica(self):
+        """Data parallel: the gauges per replica (label `replica`), and whether each is up; the series
+        above are the totals."""
+        per_replica = getattr(self.engine, "replica_stats", None)     # engines without replicas may lack it
+        replicas = per_replica() if callable(per_replica) else []
+        if not replicas:
+            return
+        up = GaugeMetricFamily(self.prefix + "replica_up", "1 while the data-parallel replica serves",
+                               labels=["model_name", "replica"])
+        gauges = {name: GaugeMetricFamily(self.prefix + "replica_" + name, doc + ", per data-parallel replica",
+                                          labels=["model_name", "replica"]) for name, _, doc in self.GAUGES}
+        for i, s in enumerate(replicas):
+            up.add_metric([self.model_name, str(i)], float(s is not None))
+            for name, attr, _ in self.GAUGES:
+                if s is not None:
+                    gauges[name].add_metric([self.model_name, str(i)], float(getattr(s, attr)))
+        yield up
+        yield from gauges.values()
 
     def _step_time_model(self):
         describe = getattr(self.engine, "step_time_model", None)

@@ -67,6 +67,11 @@ class ModelRunner:
         return num_kv_blocks(self.kv_bytes_per_token(), self.block_size, budget, c.scheduler.max_model_len,
                              c.scheduler.max_num_seqs)
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as computed with (packed copies included; tensors of >= 2 dims)."""
+        return sum(t.numel() * t.element_size() for t in
+                   list(self.model.parameters()) + list(self.model.buffers()) if t.dim() >= 2)
+
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token on this rank (its kv heads), in bytes."""
         itemsize = self.config.model.dtype.itemsize

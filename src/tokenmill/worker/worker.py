@@ -4,7 +4,7 @@ the engine sends.
 
 Protocol over one duplex pipe: the worker sends ("ready", None) or ("error", message) once started; then
 answers each command with ("ok", result) or ("error", message):
-    ("num_kv_blocks",) -> int       ("bind_kv_cache", n) -> None
+    ("num_kv_blocks",) -> int       ("bind_kv_cache", n) -> None       ("weight_bytes",) -> int
     ("step", StepDelta) -> RunnerOutput on rank 0, None elsewhere       ("shutdown",) -> exits
 """
 from __future__ import annotations
@@ -52,6 +52,8 @@ def worker_main(spec: WorkerSpec, config, conn) -> None:
                 result = runner.num_kv_blocks(spec.processes_per_host)
             elif command == "bind_kv_cache":
                 result = runner.bind_kv_cache(args[0])
+            elif command == "weight_bytes":
+                result = runner.weight_bytes()
             else:
                 raise ValueError(f"unknown worker command {command!r}")
             conn.send(("ok", result))

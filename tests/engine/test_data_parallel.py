@@ -1,0 +1,97 @@
+"""Data parallel on this CPU: two engine-core processes behind one LLM give one engine's greedy tokens,
+share the requests and free every block after 64 concurrent streams; a replica killed mid-load ends its
+own requests with an error naming it while the other keeps serving; too many replicas fail at start-up."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.async_engine import AsyncEngine
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two cores")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[11, 220, 4890, 17 + i, 9] for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def dp_llm(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama"), data_parallel_size=2, kv_cache_memory_bytes=1 << 23, block_size=4)
+    yield llm
+    llm.shutdown()
+
+
+@needs_two_cores
+def test_two_replicas_give_one_engines_tokens(tiny_model_factory, dp_llm):
+    one = LLM(tiny_model_factory("llama"), kv_cache_memory_bytes=1 << 23, block_size=4).generate(PROMPTS, GREEDY)
+    two = dp_llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    sent = dp_llm.engine.core.router.admitted_total
+    assert min(sent.values()) >= 3, sent                        # both replicas took a share
+
+
+@needs_two_cores
+def test_64_concurrent_streams_then_every_block_is_free(dp_llm):
+    engine = AsyncEngine(engine=dp_llm.engine)
+
+    async def stream(i: int) -> int:
+        tokens = 0
+        async for out in engine.generate([5, 6, 7, i % 50 + 10], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                                temperature=0.8, seed=i),
+                                         request_id=f"s{i}"):
+            tokens += len(out.outputs[0].new_token_ids)
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(stream(i) for i in range(64)))
+    try:
+        assert asyncio.run(main()) == [12] * 64
+        deadline = time.monotonic() + 5
+        while dp_llm.engine.stats().num_used_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = dp_llm.engine.stats()
+        assert stats.num_used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    finally:
+        engine._stop.set()                                       # the LLM's engine stays for other tests
+        engine._commands.put(("wake", None, None))
+        engine._thread.join(10)
+
+
+@needs_two_cores
+def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama"), data_parallel_size=2, kv_cache_memory_bytes=1 << 23, block_size=4)
+    engine = llm.engine
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        for i in range(8):
+            engine.add_request(f"k{i}", [5, 6, 7 + i], long)
+        outs = {}
+        t0 = time.monotonic()
+        victim = engine.core.replicas[1]
+        killed = None
+        while engine.has_unfinished_requests() and time.monotonic() - t0 < 60:
+            if killed is None and time.monotonic() - t0 > 1.0:
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                killed = time.monotonic()
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+        assert len(outs) == 8 and killed is not None
+        failed = {rid for rid, o in outs.items() if o.error}
+        assert 1 <= len(failed) <= 7                                 # replica 1's share only
+        assert all(f"data-parallel replica 1 (pid {victim.proc.pid}) died" in outs[rid].error for rid in failed)
+        assert all(len(o.outputs[0].token_ids) == 300 for rid, o in outs.items() if rid not in failed)
+        later = llm.generate([[9, 9, 9]], GREEDY)[0]                 # the survivor keeps serving
+        assert later.error is None and len(later.outputs[0].token_ids) == 8
+    finally:
+        llm.shutdown()
+
+
+def test_more_replicas_than_cores_fail_at_start_up(tiny_model_dir):
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=rf"{cores + 1} ranks \({cores + 1} replicas x 1 tensor-parallel\) need a CPU core each"):
+        LLM(tiny_model_dir, data_parallel_size=cores + 1, kv_cache_memory_bytes=1 << 22)
