@@ -3,10 +3,12 @@
     uni      one rank in the engine's process, all threads (today's path)
     mp-tp1   one rank in a worker process (the mp executor's cost: messages, pipes)
     tp2      two tensor-parallel ranks, threads split between them
+    dp2      two data-parallel replicas (engine-core processes), threads split between them
 
 For each, per --modes weight format: Offline (--num-requests x 128 random prompt tokens -> exactly 128
 output tokens, greedy, all at once) wall time and output tok/s, and the decode step time at full batch
-(the median over steps where every request decodes one token); medians of --runs. Ratios are against
+(the median over steps where every request decodes one token; not for dp2, whose replicas step on their
+own); medians of --runs. Ratios are against
 `uni` measured in the same run; the mp executor's overhead is (mp-tp1 step - uni step) / uni step.
 
     .venv/bin/python benchmarks/parallel_throughput.py [--runs 3] [--modes fp32,int4] [--configs uni,mp-tp1,tp2]
@@ -24,7 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 CONFIGS = {"uni": dict(), "mp-tp1": dict(distributed_executor_backend="mp"),
-           "tp2": dict(tensor_parallel_size=2)}
+           "tp2": dict(tensor_parallel_size=2), "dp2": dict(data_parallel_size=2)}
 
 
 def prompts(n: int, length: int = 128) -> list[list[int]]:
@@ -41,9 +43,9 @@ def run_once(llm, batch: list[list[int]]) -> tuple[float, int, list[float]]:
     for i, p in enumerate(batch):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
     tokens, decode_steps = 0, []
-    scheduler = engine.core.scheduler
+    scheduler = getattr(engine.core, "scheduler", None)          # replicas schedule in their processes
     while engine.has_unfinished_requests():
-        full = len(scheduler.running) == len(batch) and not scheduler.waiting and \
+        full = scheduler is not None and len(scheduler.running) == len(batch) and not scheduler.waiting and \
             all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
         s0 = time.perf_counter()
         outs = engine.step()

@@ -149,6 +149,7 @@ class ParallelConfig:
     data_parallel_size: int = 1              # independent engine replicas
     distributed_executor_backend: str = "uni"   # "uni" (in process) | "mp" (a worker process per rank)
     replicas_sharing_host: int = 1           # engine replicas on this machine (their CPU KV budgets split)
+    ray_address: str | None = None           # ray: the cluster to join ("auto", "ip:port"); None: start one here
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -160,7 +161,7 @@ class ParallelConfig:
                              f"expected one of {sorted(EXECUTORS)}")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError("tensor_parallel_size > 1 needs a worker process per rank: "
-                             "distributed_executor_backend='mp'")
+                             "distributed_executor_backend='mp' or 'ray'")
 
     @property
     def world_size(self) -> int:
@@ -213,11 +214,13 @@ class EngineArgs:
     cuda_graph_max_batch: int = 256          # decode batches up to this size replay captured graphs
     tensor_parallel_size: int = 1            # ranks one model is split across
     data_parallel_size: int = 1              # engine replicas, each in its own process with its own model
-    distributed_executor_backend: str | None = None   # "uni" | "mp"; None: "mp" when tensor parallel
+    distributed_executor_backend: str | None = None   # "uni" | "mp" | "ray"; None: "mp" when tensor parallel
+    ray_address: str | None = None           # ray: an existing cluster ("auto", "ip:6379"); None: a local one
 
     def parallel_config(self) -> ParallelConfig:
         backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
-        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, backend)
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, backend,
+                              ray_address=self.ray_address)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -262,9 +265,11 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks the model is split across (one worker process each; CPU threads are split)")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-        g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
-                       help="uni: the model in the engine's process; mp: a worker process per rank "
-                            "(default: mp when tensor parallel)")
+        g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                       help="uni: the model in the engine's process; mp: a worker process per rank; ray: Ray "
+                            "actors placed by a cluster (default: mp when tensor parallel)")
+        g.add_argument("--ray-address", default=None,
+                       help="ray: the cluster to join (auto, or ip:port of `ray start --head`); default: a local one")
         g.add_argument("--cuda-graph-max-batch", type=int, default=256,
                        help="CUDA: the largest decode batch captured as a graph (larger steps run eagerly)")
 

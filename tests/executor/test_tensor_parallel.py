@@ -91,3 +91,23 @@ def test_more_ranks_than_cores_fail_at_start_up(tiny_model_dir):
 def test_tensor_parallel_needs_worker_processes(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 needs a worker process per rank"):
         LLM(tiny_model_dir, tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@needs_two_cores
+def test_ray_backend_on_a_local_cluster(tiny_model_factory):
+    pytest.importorskip("ray")
+    model = tiny_model_factory("qwen2", tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=3,
+                               hidden_size=96)
+    expected = _run(model, 1)
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", kv_cache_memory_bytes=1 << 23,
+              block_size=4, num_threads=2)
+    try:
+        _assert_same(expected, [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)], tol=1e-5)
+        import ray
+        ray.kill(llm.engine.core.executor.actors[1])                   # a rank dies: fatal, clearly, at once
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorFailed, match="Ray actor of the model died"):
+            llm.generate(PROMPTS[:1], PARAMS)
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()

@@ -27,15 +27,33 @@ class WorkerSpec:
     processes_per_host: int   # ranks sharing this machine's memory (the CPU's KV budget is split)
 
 
+class RankWorker:
+    """A rank's commands, whatever carries them (a pipe here, a Ray actor in executor/ray_executor.py)."""
+
+    def __init__(self, spec: WorkerSpec, config) -> None:
+        from tokenmill.executor.messages import DeltaDecoder
+        self.spec, self.runner, self.decoder = spec, _start(spec, config), DeltaDecoder()
+
+    def handle(self, command: str, *args):
+        if command == "step":
+            out = self.runner.execute(self.decoder.decode(args[0]))
+            return out if self.spec.rank == 0 else None
+        if command == "num_kv_blocks":
+            return self.runner.num_kv_blocks(self.spec.processes_per_host)
+        if command == "bind_kv_cache":
+            return self.runner.bind_kv_cache(args[0])
+        if command == "weight_bytes":
+            return self.runner.weight_bytes()
+        raise ValueError(f"unknown worker command {command!r}")
+
+
 def worker_main(spec: WorkerSpec, config, conn) -> None:
     try:
-        runner = _start(spec, config)
+        worker = RankWorker(spec, config)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails start-up with it
         conn.send(("error", f"rank {spec.rank} could not start: {type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    from tokenmill.executor.messages import DeltaDecoder
-    decoder = DeltaDecoder()
     while True:
         try:
             command, *args = conn.recv()
@@ -45,18 +63,7 @@ def worker_main(spec: WorkerSpec, config, conn) -> None:
             conn.send(("ok", None))
             return
         try:
-            if command == "step":
-                out = runner.execute(decoder.decode(args[0]))
-                result = out if spec.rank == 0 else None
-            elif command == "num_kv_blocks":
-                result = runner.num_kv_blocks(spec.processes_per_host)
-            elif command == "bind_kv_cache":
-                result = runner.bind_kv_cache(args[0])
-            elif command == "weight_bytes":
-                result = runner.weight_bytes()
-            else:
-                raise ValueError(f"unknown worker command {command!r}")
-            conn.send(("ok", result))
+            conn.send(("ok", worker.handle(command, *args)))
         except Exception as e:  # noqa: BLE001 - a step's error goes back to the engine core, which bisects
             logger.debug("rank %d: %s", spec.rank, traceback.format_exc())
             conn.send(("error", f"{type(e).__name__}: {e}"))
