@@ -12,6 +12,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.executor import ExecutorFailed
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two cores")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -71,11 +72,11 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
             engine.add_request(f"k{i}", [5, 6, 7 + i], long)
         outs = {}
         t0 = time.monotonic()
-        victim = engine.core.replicas[1]
+        victim = engine.core.replicas[1].link
         killed = None
         while engine.has_unfinished_requests() and time.monotonic() - t0 < 60:
             if killed is None and time.monotonic() - t0 > 1.0:
-                os.kill(victim.proc.pid, signal.SIGKILL)
+                os.kill(victim.pid, signal.SIGKILL)
                 killed = time.monotonic()
             for out in engine.step():
                 if out.finished:
@@ -83,7 +84,7 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
         assert len(outs) == 8 and killed is not None
         failed = {rid for rid, o in outs.items() if o.error}
         assert 1 <= len(failed) <= 7                                 # replica 1's share only
-        assert all(f"data-parallel replica 1 (pid {victim.proc.pid}) died" in outs[rid].error for rid in failed)
+        assert all(f"data-parallel replica 1 (pid {victim.pid}) died" in outs[rid].error for rid in failed)
         assert all(len(o.outputs[0].token_ids) == 300 for rid, o in outs.items() if rid not in failed)
         later = llm.generate([[9, 9, 9]], GREEDY)[0]                 # the survivor keeps serving
         assert later.error is None and len(later.outputs[0].token_ids) == 8
@@ -95,3 +96,29 @@ def test_more_replicas_than_cores_fail_at_start_up(tiny_model_dir):
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match=rf"{cores + 1} ranks \({cores + 1} replicas x 1 tensor-parallel\) need a CPU core each"):
         LLM(tiny_model_dir, data_parallel_size=cores + 1, kv_cache_memory_bytes=1 << 22)
+
+
+@needs_two_cores
+def test_replicas_as_ray_actors(tiny_model_factory):
+    pytest.importorskip("ray")
+    model = tiny_model_factory("llama")
+    one = LLM(model, kv_cache_memory_bytes=1 << 23, block_size=4).generate(PROMPTS, GREEDY)
+    llm = LLM(model, data_parallel_size=2, distributed_executor_backend="ray", kv_cache_memory_bytes=1 << 23,
+              block_size=4, num_threads=2)
+    try:
+        two = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        assert min(llm.engine.core.router.admitted_total.values()) >= 3
+        llm.engine.core.replicas[0].link.kill()                        # one dies: the other serves
+        time.sleep(1.0)                                                # (its death is seen within 0.2 s)
+        llm.engine.step()
+        assert [r.alive for r in llm.engine.core.replicas] == [False, True]
+        outs = llm.generate([[9, 9, 9]] * 3, GREEDY)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+        llm.engine.core.replicas[1].link.kill()                        # none left: the engine says so
+        with pytest.raises(ExecutorFailed, match="every data-parallel replica has failed"):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                llm.engine.step()
+    finally:
+        llm.shutdown()

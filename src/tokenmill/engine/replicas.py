@@ -2,9 +2,10 @@
 LLMEngine. ReplicatedCore offers the EngineCore interface the LLMEngine uses (add_request, abort, step,
 has_unfinished, stats, check_fits); the router (distributed/dp_router.py) picks each request's replica.
 
-Each replica process (replica_main) steps continuously while it has work and sends back, after every
-step, the compact ReplicaUpdates of the requests that changed, with its queue lengths. The front keeps its
-own copy of every Request (the LLMEngine's), applies the updates to it and hands the LLMEngine the usual
+Each replica (engine/replica_links.py: a process of its own, or a Ray actor with
+distributed_executor_backend="ray") steps continuously while it has work and sends back, after every step,
+the compact ReplicaUpdates of the requests that changed, with its queue lengths. The front keeps its own
+copy of every Request (the LLMEngine's), applies the updates to it and hands the LLMEngine the usual
 CoreUpdates. Aborts finish the front copy at once; a replica's later updates for it are dropped.
 
 A replica that dies ends its in-flight requests with an error naming it; the others keep serving. When
@@ -13,16 +14,15 @@ none is left, step() raises ExecutorFailed (fatal to the engine). CPU threads ar
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import time
+import queue
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import wait
 
 import torch
 
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.distributed.dp_router import ReplicaLoad, Router
 from tokenmill.engine.engine_core import CoreUpdate, EngineStats
+from tokenmill.engine.replica_links import DEAD, PipeLink, RayLink
 from tokenmill.executor.base import ExecutorFailed
 
 logger = logging.getLogger("tokenmill")
@@ -46,60 +46,18 @@ class ReplicaUpdate:
 @dataclass
 class _Replica:
     index: int
-    proc: object
-    conn: object
+    link: object                                  # engine/replica_links.py PipeLink or RayLink
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     requests: set = field(default_factory=set)    # ids in flight there
     stats: EngineStats | None = None
     alive: bool = True
 
 
-def replica_main(index: int, config, threads: int, conn) -> None:
-    """One replica: an EngineCore in this process (uni executor), stepping while it has work."""
-    try:
-        torch.set_num_threads(threads)
-        from tokenmill.engine.calibration import seed_step_model
-        from tokenmill.engine.engine_core import EngineCore
-        from tokenmill.loaders import open_model_source
-        core = EngineCore(config, open_model_source(config.model_path).iter_weights())
-        if core.scheduler.policy.needs_step_model:
-            seed_step_model(core)
-    except BaseException as e:  # noqa: BLE001 - reported to the front, which fails start-up with it
-        conn.send(("error", f"replica {index} could not start: {type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", (core.config.cache.num_blocks, core.executor.weight_bytes(), core.step_model.describe())))
-    steps = 0
-    while True:
-        try:
-            if not core.has_unfinished() or conn.poll():
-                while True:                                   # every queued command, then step
-                    command, *args = conn.recv()
-                    if command == "shutdown":
-                        return
-                    _apply_command(core, command, args, conn)
-                    if not conn.poll():
-                        break
-            if core.has_unfinished():
-                updates = core.step()
-                steps += 1
-                model = core.step_model.describe() if steps % 64 == 1 else None     # its refit costs: now and then
-                conn.send(("updates", ([_compact(u) for u in updates], _load(core), core.stats(), model)))
-        except (EOFError, OSError):                           # the front is gone
-            return
-
-
-def _apply_command(core, command: str, args: list, conn) -> None:
-    if command == "add":
-        core.add_request(args[0])
-    elif command == "abort":
-        core.abort(*args)
-
-
-def _load(core) -> ReplicaLoad:
+def replica_load(core) -> ReplicaLoad:
     return ReplicaLoad(len(core.scheduler.waiting), len(core.scheduler.running))
 
 
-def _compact(u: CoreUpdate) -> ReplicaUpdate:
+def compact_update(u: CoreUpdate) -> ReplicaUpdate:
     r = u.request
     return ReplicaUpdate(r.request_id, u.new_token_ids, u.new_logprobs, u.error, r.is_finished, r.finish_reason,
                          r.stop_reason, r.num_cached_tokens, r.first_scheduled_time, r.num_preemptions)
@@ -133,50 +91,46 @@ class ReplicatedCore:
     def __init__(self, config, num_replicas: int, num_threads: int | None, enable_prefix_caching: bool) -> None:
         from tokenmill.executor.mp import check_ranks_fit
         device, tp = torch.device(config.device), config.parallel.tensor_parallel_size
-        check_ranks_fit(num_replicas * tp, device, f"ranks ({num_replicas} replicas x {tp} tensor-parallel)")
+        on_ray = config.parallel.distributed_executor_backend == "ray"
+        if on_ray and tp > 1:
+            raise ValueError("data-parallel replicas on Ray run one rank each (tensor_parallel_size 1) for now")
+        if not on_ray:
+            check_ranks_fit(num_replicas * tp, device, f"ranks ({num_replicas} replicas x {tp} tensor-parallel)")
         if device.type == "cuda" and tp > 1:
             raise ValueError("data parallel replicas of tensor-parallel engines on CUDA are not supported yet")
         threads = max(1, (num_threads or torch.get_num_threads()) // num_replicas)
-        ctx = multiprocessing.get_context("spawn")
-        one = replace(config, parallel=replace(config.parallel, data_parallel_size=1,
-                                               replicas_sharing_host=1 if device.type == "cuda" else num_replicas))
+        shared = 1 if device.type == "cuda" or on_ray else num_replicas      # Ray may place them apart
+        one = replace(config, parallel=replace(config.parallel, data_parallel_size=1, replicas_sharing_host=shared,
+                                               distributed_executor_backend="uni" if on_ray else
+                                               config.parallel.distributed_executor_backend))
+        self.inbox: queue.Queue = queue.Queue()             # (replica index, message) from every replica
+        if on_ray:
+            from tokenmill.executor.ray_executor import connect
+            connect(config.parallel.ray_address)
         self.replicas: list[_Replica] = []
         for i in range(num_replicas):
-            mine = replace(one, device=f"cuda:{i}") if device.type == "cuda" else one     # a GPU each
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=replica_main, args=(i, mine, threads, child), daemon=True,
-                               name=f"tokenmill-replica{i}")
-            proc.start()
-            child.close()
-            self.replicas.append(_Replica(i, proc, parent))
+            mine = replace(one, device=f"cuda:{i}") if device.type == "cuda" and not on_ray else \
+                replace(one, device="cuda:0") if device.type == "cuda" else one     # a GPU each
+            link = RayLink(i, mine, threads, self.inbox, device.type == "cuda") if on_ray else \
+                PipeLink(i, mine, threads, self.inbox)
+            self.replicas.append(_Replica(i, link))
         self.router = Router(num_replicas, config.cache.block_size if enable_prefix_caching else 0)
         self.requests: dict[str, tuple[Request, _Replica]] = {}
         self.step_model = _StepModelView()                   # the first live replica's, as last reported
         self._closed = False
         try:
-            blocks, weights = self._await_ready()
+            ready = [r.link.wait_ready(self.start_timeout_s) for r in self.replicas]
+        except RuntimeError as e:
+            self.shutdown()
+            raise ExecutorFailed(str(e)) from None
         except BaseException:
             self.shutdown()
             raise
-        self.config = replace(config, cache=replace(config.cache, num_blocks=min(blocks)))
-        self.executor = _WeightBytes(sum(weights))
-        logger.info("tokenmill: %d data-parallel replicas, %d threads each", num_replicas, threads)
-
-    def _await_ready(self) -> tuple[list[int], list[int]]:
-        blocks, weights = [], []
-        deadline = time.monotonic() + self.start_timeout_s
-        for r in self.replicas:
-            while not r.conn.poll(0.2):
-                if not r.proc.is_alive() or time.monotonic() > deadline:
-                    raise ExecutorFailed(f"replica {r.index} died or hung while starting")
-            kind, value = r.conn.recv()
-            if kind != "ready":
-                raise ExecutorFailed(value)
-            blocks.append(value[0])
-            weights.append(value[1])
-            if r.index == 0:
-                self.step_model.description = value[2]
-        return blocks, weights
+        self.step_model.description = ready[0][2]
+        self.config = replace(config, cache=replace(config.cache, num_blocks=min(b for b, _, _ in ready)))
+        self.executor = _WeightBytes(sum(w for _, w, _ in ready))
+        logger.info("tokenmill: %d data-parallel replicas (%s), %d threads each", num_replicas,
+                    "Ray actors" if on_ray else "processes", threads)
 
     def _first_alive(self) -> int:
         return next((r.index for r in self.replicas if r.alive), -1)
@@ -192,7 +146,7 @@ class ReplicatedCore:
         if not live:
             raise ExecutorFailed("every data-parallel replica has failed")
         chosen = live[self.router.choose(request.prompt_token_ids, [r.index for r in live])]
-        chosen.conn.send(("add", request))
+        chosen.link.send(("add", request))
         chosen.requests.add(request.request_id)
         self.router.admitted(chosen.index, request.prompt_token_ids)
         self.requests[request.request_id] = (request, chosen)
@@ -211,45 +165,42 @@ class ReplicatedCore:
         for index, ids in by_replica.items():
             replica = self.replicas[index]
             if replica.alive:
-                try:
-                    replica.conn.send(("abort", ids, reason, stop_reason))
-                except (BrokenPipeError, OSError):
-                    pass                                          # its death is reported by step()
+                replica.link.send(("abort", ids, reason, stop_reason))     # a death is reported by step()
         return done
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in flight; also True once every replica is dead, so the engine loop steps and learns
+        it (step() raises ExecutorFailed) instead of waiting for requests that can never run."""
+        return bool(self.requests) or not any(r.alive for r in self.replicas)
 
     def step(self) -> list[CoreUpdate]:
         """The updates of the replica steps finished since the last call, waiting at most step_wait_s for
-        one (so a caller that also takes new requests, AsyncEngine's loop, is back soon); may be empty."""
-        if not self.requests:
-            return []
-        live = {r.conn: r for r in self.replicas if r.alive}
-        if not live:
-            raise ExecutorFailed("every data-parallel replica has failed")
+        one while requests are in flight (so a caller that also takes new requests, AsyncEngine's loop,
+        is back soon); may be empty. Raises ExecutorFailed once no replica is left."""
+        messages = []
+        try:
+            if self.requests:
+                messages.append(self.inbox.get(timeout=self.step_wait_s))
+            while True:
+                messages.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
         updates: list[CoreUpdate] = []
-        for conn in wait(list(live), self.step_wait_s):
-            updates.extend(self._receive(live[conn]))
-        for r in live.values():
-            if r.alive and not r.proc.is_alive():
-                updates.extend(self._replica_died(r))
-        return updates
-
-    def _receive(self, replica: _Replica) -> list[CoreUpdate]:
-        out = []
-        while replica.alive and replica.conn.poll():
-            try:
-                kind, value = replica.conn.recv()
-            except (EOFError, OSError):
-                return out + self._replica_died(replica)
-            if kind == "updates":
+        for index, (kind, value) in messages:
+            replica = self.replicas[index]
+            if not replica.alive:
+                continue
+            if kind == DEAD:
+                updates.extend(self._replica_died(replica, value))
+            elif kind == "updates":
                 compact, replica.load, replica.stats, model = value
-                if model is not None and replica.index == self._first_alive():
+                self.router.report(index, replica.load)
+                if model is not None and index == self._first_alive():
                     self.step_model.description = model
-                self.router.report(replica.index, replica.load)
-                out.extend(u for u in (self._apply(c) for c in compact) if u is not None)
-        return out
+                updates.extend(u for u in (self._apply(c) for c in compact) if u is not None)
+        if not updates and not any(r.alive for r in self.replicas):
+            raise ExecutorFailed("every data-parallel replica has failed")
+        return updates
 
     def _apply(self, c: ReplicaUpdate) -> CoreUpdate | None:
         entry = self.requests.get(c.request_id)
@@ -266,12 +217,10 @@ class ReplicatedCore:
             replica.requests.discard(c.request_id)
         return CoreUpdate(request, c.new_token_ids, c.new_logprobs, c.error)
 
-    def _replica_died(self, replica: _Replica) -> list[CoreUpdate]:
+    def _replica_died(self, replica: _Replica, how: str) -> list[CoreUpdate]:
         replica.alive = False
         self.router.remove(replica.index)
-        code = replica.proc.exitcode
-        why = f"data-parallel replica {replica.index} (pid {replica.proc.pid}) died" + \
-            (f" with exit code {code}" if code is not None else "")
+        why = f"data-parallel replica {replica.index} {how}"
         logger.error("tokenmill: %s; %d requests on it fail, %d replicas remain", why, len(replica.requests),
                      sum(r.alive for r in self.replicas))
         out = []
@@ -301,15 +250,4 @@ class ReplicatedCore:
             return
         self._closed = True
         for r in self.replicas:
-            if r.proc.is_alive():
-                try:
-                    r.conn.send(("shutdown",))
-                except (BrokenPipeError, OSError):
-                    pass
-        deadline = time.monotonic() + 5.0
-        for r in self.replicas:
-            r.proc.join(max(0.0, deadline - time.monotonic()))
-            if r.proc.is_alive():
-                r.proc.kill()
-                r.proc.join(1.0)
-            r.conn.close()
+            r.link.stop()

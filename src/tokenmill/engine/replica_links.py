@@ -1,0 +1,208 @@
+"""How a data-parallel replica runs and talks to the front (engine/replicas.py): in a process of its own
+over a pipe (PipeLink), or as a Ray actor (RayLink). Either way the replica side is serve_replica: an
+EngineCore stepping while it has work, taking commands between steps, and sending after every step the
+compact updates of the requests that changed; the front side is a link whose relay thread puts every
+message, and finally DEAD with the reason, on the front's inbox (one queue for all replicas).
+
+Messages from a replica: ("ready", (num_blocks, weight_bytes, step model)) once, or ("error", why); then
+("updates", (updates, load, stats, step model or None)) per step. To a replica: ("add", Request),
+("abort", ids, reason, stop_reason), ("shutdown",)."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+DEAD = "dead"
+
+
+def build_replica_core(index: int, config, threads: int):
+    torch.set_num_threads(threads)
+    from tokenmill.engine.calibration import seed_step_model
+    from tokenmill.engine.engine_core import EngineCore
+    from tokenmill.loaders import open_model_source
+    core = EngineCore(config, open_model_source(config.model_path).iter_weights())
+    if core.scheduler.policy.needs_step_model:
+        seed_step_model(core)
+    return core
+
+
+def ready_message(core) -> tuple:
+    return "ready", (core.config.cache.num_blocks, core.executor.weight_bytes(), core.step_model.describe())
+
+
+def serve_replica(core, recv, poll, send) -> None:
+    """recv() -> the next command (blocking), poll() -> whether one is queued, send(message)."""
+    from tokenmill.engine.replicas import compact_update, replica_load
+    steps = 0
+    while True:
+        if not core.has_unfinished() or poll():
+            while True:                                   # every queued command, then step
+                command, *args = recv()
+                if command == "shutdown":
+                    return
+                if command == "add":
+                    core.add_request(args[0])
+                elif command == "abort":
+                    core.abort(*args)
+                if not poll():
+                    break
+        if core.has_unfinished():
+            updates = core.step()
+            steps += 1
+            model = core.step_model.describe() if steps % 64 == 1 else None     # its refit costs: now and then
+            send(("updates", ([compact_update(u) for u in updates], replica_load(core), core.stats(), model)))
+
+
+def replica_main(index: int, config, threads: int, conn) -> None:
+    """A replica's process (PipeLink)."""
+    try:
+        core = build_replica_core(index, config, threads)
+    except BaseException as e:  # noqa: BLE001 - reported to the front, which fails start-up with it
+        conn.send(("error", f"replica {index} could not start: {type(e).__name__}: {e}"))
+        return
+    conn.send(ready_message(core))
+    try:
+        serve_replica(core, conn.recv, conn.poll, conn.send)
+    except (EOFError, OSError):                           # the front is gone
+        return
+
+
+class PipeLink:
+    """A replica in a process of its own (multiprocessing spawn), over a pipe."""
+
+    def __init__(self, index: int, config, threads: int, inbox: queue.Queue) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.index, self.inbox = index, inbox
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=replica_main, args=(index, config, threads, child), daemon=True,
+                                name=f"tokenmill-replica{index}")
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout_s: float):
+        """The ready message's payload; raises RuntimeError with the replica's reason if it did not start."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"replica {self.index} died or hung while starting")
+        kind, value = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(value)
+        threading.Thread(target=self._relay, daemon=True, name=f"tokenmill-replica{self.index}-relay").start()
+        return value
+
+    def _relay(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.proc.join(1.0)
+                code = self.proc.exitcode
+                self.inbox.put((self.index, (DEAD, f"(pid {self.pid}) died" +
+                                             (f" with exit code {code}" if code is not None else ""))))
+                return
+            self.inbox.put((self.index, message))
+
+    def send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass                                          # the relay reports the death
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.send(("shutdown",))
+        self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+        self.conn.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _replica_actor():
+    import ray
+
+    @ray.remote(max_restarts=0, max_concurrency=4)
+    class RayReplica:
+        """serve_replica in a thread of the actor; submit() and collect() are the pipe's two ends."""
+
+        def __init__(self, index: int, config, threads: int) -> None:
+            self.commands, self.messages = queue.Queue(), queue.Queue()
+            self.core = build_replica_core(index, config, threads)
+            threading.Thread(target=serve_replica, daemon=True,
+                             args=(self.core, self.commands.get, lambda: not self.commands.empty(),
+                                   self.messages.put)).start()
+
+        def ready(self):
+            return ready_message(self.core)[1]
+
+        def submit(self, message) -> None:
+            self.commands.put(message)
+
+        def collect(self, timeout_s: float) -> list:
+            try:
+                out = [self.messages.get(timeout=timeout_s)]
+            except queue.Empty:
+                return []
+            while not self.messages.empty():
+                out.append(self.messages.get_nowait())
+            return out
+
+    return RayReplica
+
+
+class RayLink:
+    """A replica as a Ray actor (one CPU per thread, or a GPU), its messages relayed by a polling thread."""
+
+    def __init__(self, index: int, config, threads: int, inbox: queue.Queue, cuda: bool) -> None:
+        self.index, self.inbox = index, inbox
+        options = dict(num_gpus=1, num_cpus=0) if cuda else dict(num_cpus=threads)
+        self.actor = _replica_actor().options(**options).remote(index, config, threads)
+        self.pid = None
+        self._stopped = False
+
+    def wait_ready(self, timeout_s: float):
+        import ray
+        try:
+            value = ray.get(self.actor.ready.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - the actor's construction failed or timed out
+            raise RuntimeError(f"replica {self.index} could not start: {getattr(e, 'cause', None) or e}") from None
+        threading.Thread(target=self._relay, daemon=True, name=f"tokenmill-replica{self.index}-relay").start()
+        return value
+
+    def _relay(self) -> None:
+        import ray
+        while not self._stopped:
+            try:
+                messages = ray.get(self.actor.collect.remote(0.2))
+            except Exception as e:  # noqa: BLE001 - RayActorError and the like: the replica is gone
+                if not self._stopped:
+                    self.inbox.put((self.index, (DEAD, f"(a Ray actor) died: {type(e).__name__}")))
+                return
+            for message in messages:
+                self.inbox.put((self.index, message))
+
+    def send(self, message) -> None:
+        self.actor.submit.remote(message)
+
+    def stop(self) -> None:
+        import ray
+        self._stopped = True
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def kill(self) -> None:
+        import ray
+        ray.kill(self.actor)
