@@ -144,6 +144,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: a dict {"method": ..., "num_speculative_tokens": k, ...} (or its JSON)."""
+    method: str                              # spec/ PROPOSERS: "ngram"
+    num_speculative_tokens: int              # k: the most draft tokens per request per step
+    prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4               # ngram: the longest
+
+    def __post_init__(self) -> None:
+        from tokenmill.spec import PROPOSERS
+        if self.method not in PROPOSERS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; supported: {sorted(PROPOSERS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config: num_speculative_tokens must be an integer in [1, 16], got "
+                             f"{self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict or a JSON object string -> SpeculativeConfig (or None)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; expected some of {sorted(known)}")
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in value]
+        if missing:
+            raise ValueError(f"speculative_config: missing {missing}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1            # ranks one model is split across (column/row-parallel layers)
     data_parallel_size: int = 1              # independent engine replicas
@@ -185,6 +227,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256          # largest decode batch captured as a CUDA graph
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None           # CPU threads for the model: per rank in worker processes
+    speculative: SpeculativeConfig | None = None   # None: one token per request per step
 
 
 @dataclass
@@ -216,6 +259,7 @@ class EngineArgs:
     data_parallel_size: int = 1              # engine replicas, each in its own process with its own model
     distributed_executor_backend: str | None = None   # "uni" | "mp" | "ray"; None: "mp" when tensor parallel
     ray_address: str | None = None           # ray: an existing cluster ("auto", "ip:6379"); None: a local one
+    speculative_config: dict | str | None = None   # {"method": "ngram", "num_speculative_tokens": 4, ...}
 
     def parallel_config(self) -> ParallelConfig:
         backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
@@ -268,6 +312,8 @@ class EngineArgs:
         g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                        help="uni: the model in the engine's process; mp: a worker process per rank; ray: Ray "
                             "actors placed by a cluster (default: mp when tensor parallel)")
+        g.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         g.add_argument("--ray-address", default=None,
                        help="ray: the cluster to join (auto, or ip:port of `ray start --head`); default: a local one")
         g.add_argument("--cuda-graph-max-batch", type=int, default=256,

@@ -5,7 +5,7 @@ import itertools
 from typing import Iterator, Sequence
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine.errors import RequestFailedError
+from tokenmill.engine.errors import RequestFailedError, RequestUnavailableError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -101,7 +101,8 @@ def apply_chat_template(tokenizer, messages: list[Message], add_generation_promp
 
 def _raise_if_failed(out: RequestOutput, which: str | None = None) -> None:
     if out.error is not None:
-        raise RequestFailedError(f"{which}: {out.error}" if which else out.error)
+        kind = RequestUnavailableError if out.error_unavailable else RequestFailedError
+        raise kind(f"{which}: {out.error}" if which else out.error)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

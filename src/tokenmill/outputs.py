@@ -31,6 +31,13 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # s, one per output token
     finished_time: float | None = None        # s
     num_preemptions: int = 0
+    num_spec_steps: int = 0                   # speculative decoding: steps in which it carried drafts
+    num_accepted_draft_tokens: int = 0        # drafts accepted over those steps
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per speculative step (accepted drafts + the target's own); None without any."""
+        return 1 + self.num_accepted_draft_tokens / self.num_spec_steps if self.num_spec_steps else None
 
 
 @dataclass
@@ -59,6 +66,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     error: str | None = None                  # set (with finished) when the engine failed this request
+    # with `error`: True when no fault of the request's caused it (the replica serving it died): retryable
+    error_unavailable: bool = False
 
     @property
     def metrics(self) -> RequestMetrics | None:

@@ -85,6 +85,7 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
         failed = {rid for rid, o in outs.items() if o.error}
         assert 1 <= len(failed) <= 7                                 # replica 1's share only
         assert all(f"data-parallel replica 1 (pid {victim.pid}) died" in outs[rid].error for rid in failed)
+        assert all(outs[rid].error_unavailable for rid in failed)   # not the request's fault: retryable
         assert all(len(o.outputs[0].token_ids) == 300 for rid, o in outs.items() if rid not in failed)
         later = llm.generate([[9, 9, 9]], GREEDY)[0]                 # the survivor keeps serving
         assert later.error is None and len(later.outputs[0].token_ids) == 8

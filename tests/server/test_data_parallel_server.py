@@ -1,9 +1,14 @@
 """`tokenmill serve --data-parallel-size 2`: concurrent clients through the official openai client, the
-totals and the per-replica series in /metrics, every block free afterwards."""
+totals and the per-replica series in /metrics, every block free afterwards; a replica killed under load
+answers its requests 503 with the reason while the other replica's complete, and the server serves on."""
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
+import time
+
+import httpx
 
 import openai
 import pytest
@@ -30,3 +35,39 @@ def test_two_replicas_behind_one_server(start_server, model_name):
     for replica in ("0", "1"):
         assert metric(values, "tokenmill:replica_up", replica=replica) == 1
     assert metric(values, "tokenmill:generation_tokens_total") >= 24 * 6
+
+
+def _replica_pids(server_pid: int) -> list[int]:
+    """The server's multiprocessing children that run replicas (spawn_main), not its resource tracker."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    pids = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            pids.append(pid)
+    return pids
+
+
+def test_a_killed_replica_answers_503_and_the_server_serves_on(start_server, model_name):
+    server = start_server("--api-key", API_KEY, "--data-parallel-size", "2", "--max-num-seqs", "32")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": model_name, "prompt": "tell me", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+
+    def post(_):
+        return httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(post, i) for i in range(16)]
+        time.sleep(0.7)
+        pids = _replica_pids(server.proc.pid)
+        assert len(pids) == 2
+        os.kill(pids[1], signal.SIGKILL)
+        responses = [f.result() for f in futures]
+    codes = sorted(r.status_code for r in responses)
+    assert 503 in codes and codes.count(200) >= 1, codes
+    unavailable = next(r for r in responses if r.status_code == 503)
+    assert "replica" in unavailable.json()["error"]["message"] and unavailable.headers["retry-after"] == "1"
+    after = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 4}, headers=headers, timeout=60)
+    assert after.status_code == 200

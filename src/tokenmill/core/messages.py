@@ -23,6 +23,9 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int]   # for penalties
     output_token_ids: Sequence[int]   # generated so far, for penalties and min_tokens
     eos_token_ids: Sequence[int]
+    # speculative decoding: the last num_draft_tokens of token_ids are drafts. The runner samples each of
+    # the last 1 + num_draft_tokens positions and returns the accepted drafts plus one token of its own
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -34,6 +37,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]                 # running requests first, then newly admitted ones
     finished_request_ids: list[str] = field(default_factory=list)  # done since the previous step: drop state
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted this step
+    # block tables that lost trailing blocks since the previous step (rejected drafts' blocks freed)
+    trimmed_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -46,7 +51,8 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    sampled_token_ids: dict[str, list[int]]                     # request id -> new tokens (1 per sampled request)
+    # request id -> new tokens: 1 per sampled request, or (speculation) its accepted drafts and one more
+    sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only for requests asking for them
     # request id -> why its part of the step failed (an exception traced to it alone, or a sampled id outside
     # the vocabulary); such a request gets no tokens and the scheduler finishes it with FinishReason.ERROR

@@ -41,6 +41,10 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
+    # draft tokens to verify in its next step (speculative decoding); not part of all_token_ids
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_steps: int = 0               # steps that verified drafts of it
+    num_accepted_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ from tokenmill.core.messages import RunnerOutput, ScheduledRequest, SchedulerOut
 from tokenmill.core.policy import FCFSPolicy, SchedulingPolicy, StepBudget
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.step_time import StepTimeModel
+from tokenmill.core.spec_stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -34,6 +35,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_since_last_step: list[str] = []
         self.num_preemptions_total = 0
+        self.spec_stats = SpecDecodeStats()
+        self.trimmed_since_last_step: list[str] = []
 
     # ---- admission and removal -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,12 +88,12 @@ class Scheduler:
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
-        out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted)
-        self.finished_since_last_step = []
+        out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step)
+        self.finished_since_last_step, self.trimmed_since_last_step = [], []
         return out
 
     def _chunk(self, request: Request, start: int, budget: StepBudget) -> int:
-        n = request.num_tokens - start
+        n = request.num_tokens - start + (len(request.spec_token_ids) if start == request.num_tokens - 1 else 0)
         threshold = self.config.long_prefill_token_threshold
         return budget.grant(start, min(n, threshold) if threshold > 0 else n)
 
@@ -116,6 +119,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, preempted: list) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -144,13 +148,20 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """num_new tokens from its computed ones: its own, then (a decode with drafts) as many drafts as
+        the budget left room for."""
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start:start + num_new]
+        num_drafts = start + num_new - request.num_tokens
+        if num_drafts > 0:
+            token_ids = token_ids + request.spec_token_ids[:num_drafts]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=token_ids,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new >= request.num_tokens,
+            num_draft_tokens=max(num_drafts, 0),
             params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -170,8 +181,18 @@ class Scheduler:
                 self._fail(request)
                 produced.append((request, []))
                 continue
-            request.num_computed_tokens += sr.num_new_tokens
-            new_ids = self._append_tokens(request, runner_out.sampled_token_ids.get(sr.request_id, ()))
+            sampled = runner_out.sampled_token_ids.get(sr.request_id, ())
+            # of the drafts, only the accepted ones (all but the last sampled token) hold valid KV
+            rejected = sr.num_draft_tokens - max(len(sampled) - 1, 0) if sr.num_draft_tokens else 0
+            request.num_computed_tokens += sr.num_new_tokens - rejected
+            if sr.num_draft_tokens:
+                request.spec_token_ids = []
+                self.spec_stats.record(sr.num_draft_tokens, len(sampled) - 1)
+                request.num_spec_steps += 1
+                request.num_accepted_draft_tokens += max(len(sampled) - 1, 0)
+            new_ids = self._append_tokens(request, sampled)
+            if rejected and not request.is_finished and self.kv.trim(request, request.num_tokens):
+                self.trimmed_since_last_step.append(request.request_id)   # blocks only rejected drafts filled
             if new_ids and request.first_token_time is None:
                 request.first_token_time = self.clock()
             if new_ids:

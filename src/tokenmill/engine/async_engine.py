@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineStats
-from tokenmill.engine.errors import EngineDeadError, RequestFailedError
+from tokenmill.engine.errors import EngineDeadError, RequestFailedError, RequestUnavailableError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    raise RequestFailedError(item.error)
+                    raise (RequestUnavailableError if item.error_unavailable else RequestFailedError)(item.error)
                 yield item
         finally:
             if not finished:

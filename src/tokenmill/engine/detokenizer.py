@@ -95,6 +95,10 @@ class IncrementalDetokenizer:
         """True after a stop string matched or `finish()` ran; later appends return empty updates."""
         return self._finished
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return self._stops is not None
+
     def append(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Feeds newly generated ids (one or more, Python ints; a list or tuple)."""
         if self._finished:

@@ -17,9 +17,12 @@ from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.spec_stats import SpecDecodeStats
 from tokenmill.core.step_time import StepTimeModel, step_features
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
+from tokenmill.sample.rejection import speculation_applies
+from tokenmill.spec import make_proposer
 from tokenmill.executor import ExecutorFailed, make_executor
 
 logger = logging.getLogger("tokenmill")
@@ -32,6 +35,7 @@ class CoreUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
     error: str | None = None          # the request failed in this step (it is finished, with no new tokens)
+    unavailable: bool = False         # ... because what served it is gone (a replica died), not by its fault
 
 
 @dataclass
@@ -47,6 +51,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_failed_requests_total: int = 0  # requests the engine ended with an error (FinishReason.ERROR)
+    spec_decode: SpecDecodeStats | None = None   # speculative decoding counters (None: speculation off)
 
 
 class EngineCore:
@@ -67,6 +72,7 @@ class EngineCore:
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
+        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
 
     def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
         self.scheduler.check_fits(num_prompt_tokens, what)
@@ -97,8 +103,24 @@ class EngineCore:
         produced = self.scheduler.update(sched_out, runner_out)
         if not runner_out.failed:                      # a bisected step's time describes no normal step
             self.step_model.observe(step_features(sched_out), time.perf_counter() - t0)
+        if self.proposer is not None:
+            self._propose(sched_out)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
+
+    def _propose(self, sched_out: SchedulerOutput) -> None:
+        """Drafts for every running request whose next step is a decode (speculation_applies), at most k
+        and no more than its max_tokens and the context leave room for."""
+        k = self.config.speculative.num_speculative_tokens
+        for rid in sched_out.finished_request_ids:
+            self.proposer.drop(rid)
+        for request in self.scheduler.running:
+            room = min(k, request.max_tokens - request.num_output_tokens - 1)
+            if room <= 0 or request.num_computed_tokens != request.num_tokens - 1 \
+                    or not speculation_applies(request.sampling_params, request.num_output_tokens):
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
 
     def _execute_isolated(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """runner.execute; when it raises, each half of the step runs on its own (recursively), so only the
@@ -128,4 +150,5 @@ class EngineCore:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries_total=self.kv.prefix_queries_tokens,
             prefix_cache_hits_total=self.kv.prefix_hits_tokens,
+            spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None,
         )

@@ -13,5 +13,10 @@ class RequestFailedError(RuntimeError):
     """One request failed in the engine; the message says which request and why."""
 
 
+class RequestUnavailableError(RequestFailedError):
+    """The request failed by no fault of its own (the data-parallel replica serving it died); the engine
+    serves on, and the same request may be sent again (HTTP 503)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop is not running; nothing more will be served by this engine."""

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.engine.calibration import seed_step_model
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -46,6 +46,7 @@ class _RequestState:
     stream: bool
     completions: list[_Completion]
     error: str | None = None          # why the engine failed this request (then it is finished)
+    error_unavailable: bool = False   # it failed because its replica died (retryable elsewhere)
 
 
 class LLMEngine:
@@ -99,7 +100,7 @@ class LLMEngine:
             quantization=args.quantization, native_decode_layers=args.native_decode_layers,
             greedy_screen=args.greedy_screen, enforce_eager=args.enforce_eager,
             cuda_graph_max_batch=args.cuda_graph_max_batch, parallel=args.parallel_config(),
-            num_threads=args.num_threads)
+            num_threads=args.num_threads, speculative=SpeculativeConfig.parse(args.speculative_config))
 
     def _log_startup(self) -> None:
         c = self.config
@@ -198,6 +199,7 @@ class LLMEngine:
             error = u.error or self._try_apply(state.completions[index], u, now)
             if error is not None:
                 failed[state.request_id] = (state, error)
+                state.error_unavailable = state.error_unavailable or u.unavailable
             else:
                 touched[state.request_id] = state
         outputs = [self._fail(state, error, now) for state, error in failed.values()]
@@ -237,12 +239,24 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
             m.first_scheduled_time = u.request.first_scheduled_time
-        m.token_times.extend([now] * len(u.new_token_ids))
-        self.generation_tokens_total += len(u.new_token_ids)
-        c.new_ids.extend(u.new_token_ids)
+        ids, upd = u.new_token_ids, None
+        if len(ids) > 1 and c.detok.has_stop_strings:     # several tokens (speculation): a stop string may
+            text = ""                                      # end inside the run; the rest is dropped
+            for j, token in enumerate(ids):
+                upd = c.detok.append([token])
+                text += upd.new_text
+                if upd.stop_string is not None:
+                    del u.request.all_token_ids[len(u.request.all_token_ids) - (len(ids) - j - 1):]
+                    ids = ids[:j + 1]
+                    break
+            upd = replace(upd, new_text=text)
+        else:
+            upd = c.detok.append(ids)
+        m.token_times.extend([now] * len(ids))
+        self.generation_tokens_total += len(ids)
+        c.new_ids.extend(ids)
         if c.logprobs is not None:
             c.logprobs.extend(u.new_logprobs)
-        upd = c.detok.append(u.new_token_ids)
         c.new_text += upd.new_text
         if upd.stop_string is not None:
             self.core.abort(u.request.request_id, FinishReason.STOP, upd.stop_string)
@@ -256,6 +270,8 @@ class LLMEngine:
         for c in state.completions:
             c.metrics.finished_time = now
             c.metrics.num_preemptions = c.request.num_preemptions
+            c.metrics.num_spec_steps = c.request.num_spec_steps
+            c.metrics.num_accepted_draft_tokens = c.request.num_accepted_draft_tokens
             if not c.detok.finished:
                 self._release_held_text(state, c)
         self.requests.pop(state.request_id, None)      # absent when a failed first try is finished again
@@ -284,7 +300,7 @@ class LLMEngine:
             c.new_ids, c.new_text = [], ""
         cached = state.completions[0].request.num_cached_tokens
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, cached,
-                             error=state.error)
+                             error=state.error, error_unavailable=state.error_unavailable)
 
     def model_info(self) -> dict:
         """Static facts for efficiency reports: bytes the weights occupy as computed with (after any

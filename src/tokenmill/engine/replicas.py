@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenmill.core.request import FinishReason, Request, RequestStatus
+from tokenmill.core.spec_stats import SpecDecodeStats
 from tokenmill.distributed.dp_router import ReplicaLoad, Router
 from tokenmill.engine.engine_core import CoreUpdate, EngineStats
 from tokenmill.engine.replica_links import DEAD, PipeLink, RayLink
@@ -41,6 +42,8 @@ class ReplicaUpdate:
     num_cached_tokens: int
     first_scheduled_time: float | None
     num_preemptions: int
+    num_spec_steps: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -60,7 +63,8 @@ def replica_load(core) -> ReplicaLoad:
 def compact_update(u: CoreUpdate) -> ReplicaUpdate:
     r = u.request
     return ReplicaUpdate(r.request_id, u.new_token_ids, u.new_logprobs, u.error, r.is_finished, r.finish_reason,
-                         r.stop_reason, r.num_cached_tokens, r.first_scheduled_time, r.num_preemptions)
+                         r.stop_reason, r.num_cached_tokens, r.first_scheduled_time, r.num_preemptions,
+                         r.num_spec_steps, r.num_accepted_draft_tokens)
 
 
 class _StepModelView:
@@ -209,6 +213,7 @@ class ReplicatedCore:
         request, replica = entry
         request.all_token_ids.extend(c.new_token_ids)
         request.num_cached_tokens, request.num_preemptions = c.num_cached_tokens, c.num_preemptions
+        request.num_spec_steps, request.num_accepted_draft_tokens = c.num_spec_steps, c.num_accepted_draft_tokens
         request.first_scheduled_time = c.first_scheduled_time
         if c.finished:
             request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, c.finish_reason, \
@@ -227,7 +232,7 @@ class ReplicatedCore:
         for rid in sorted(replica.requests):
             request, _ = self.requests.pop(rid)
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
-            out.append(CoreUpdate(request, [], [], why))
+            out.append(CoreUpdate(request, [], [], why, unavailable=True))
         replica.requests.clear()
         return out
 
@@ -239,6 +244,16 @@ class ReplicatedCore:
             for name in ("num_running", "num_waiting", "num_total_blocks", "num_used_blocks",
                          "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
+            if s.spec_decode is not None:
+                total.spec_decode = total.spec_decode or SpecDecodeStats()
+                d = s.spec_decode
+                total.spec_decode.num_drafts += d.num_drafts
+                total.spec_decode.num_draft_tokens += d.num_draft_tokens
+                total.spec_decode.num_accepted_tokens += d.num_accepted_tokens
+                per = total.spec_decode.accepted_per_position
+                per.extend([0] * (len(d.accepted_per_position) - len(per)))
+                for i, v in enumerate(d.accepted_per_position):
+                    per[i] += v
         total.kv_cache_usage = total.num_used_blocks / total.num_total_blocks if total.num_total_blocks else 0.0
         return total
 

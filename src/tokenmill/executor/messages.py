@@ -6,7 +6,8 @@ later ones only the tokens and blocks appended since (usually the one token samp
 every block_size tokens). Between admission and finishing or preemption a request's tokens and blocks
 only grow (the scheduler's invariant); preempted and finished requests are dropped on both sides, and a
 preempted one is sent whole again when it is scheduled again. A step sent twice (the engine core's
-bisection after a failed step) sends nothing twice.
+bisection after a failed step) sends nothing twice. Speculative decoding: a step's drafts travel with it
+and are not kept; a block table that shrank (rejected drafts' blocks freed) is sent whole.
 
     encoder = DeltaEncoder(); msg = encoder.encode(sched_out)      # engine side
     decoder = DeltaDecoder(); sched_out = decoder.decode(msg)      # each worker
@@ -37,6 +38,8 @@ class ScheduledDelta:
     appended_token_ids: list[int]     # tokens since the worker's last view of the request
     appended_block_ids: list[int]     # blocks since then
     new: NewRequest | None = None     # set on the request's first message (then the two above are empty)
+    draft_token_ids: list[int] = field(default_factory=list)   # speculation: the step's drafts (not kept)
+    block_table: list[int] | None = None   # the whole table, when it shrank (rejected drafts' blocks freed)
 
 
 @dataclass
@@ -49,25 +52,35 @@ class StepDelta:
 class DeltaEncoder:
     def __init__(self) -> None:
         self.sent: dict[str, tuple[int, int]] = {}        # request id -> (tokens sent, blocks sent)
+        self.stale_tables: set[str] = set()               # trimmed since last sent: send the whole table
 
     def encode(self, out: SchedulerOutput) -> StepDelta:
         for rid in (*out.finished_request_ids, *out.preempted_request_ids):
             self.sent.pop(rid, None)
+            self.stale_tables.discard(rid)
+        self.stale_tables.update(rid for rid in out.trimmed_request_ids if rid in self.sent)
         deltas = []
         for sr in out.scheduled:
             num_tokens = len(sr.prompt_token_ids) + len(sr.output_token_ids)
+            drafts = list(sr.token_ids[sr.num_new_tokens - sr.num_draft_tokens:]) if sr.num_draft_tokens else []
             known = self.sent.get(sr.request_id)
             if known is None:
                 tokens = [*sr.prompt_token_ids, *sr.output_token_ids]
                 new = NewRequest(tokens, len(sr.prompt_token_ids), sr.params, tuple(sr.eos_token_ids))
                 deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample, [],
-                                             list(sr.block_ids), new))
+                                             list(sr.block_ids), new, drafts))
             else:
                 sent_tokens, sent_blocks = known
                 appended = [*sr.output_token_ids[sent_tokens - len(sr.prompt_token_ids):]] \
                     if num_tokens > sent_tokens else []
-                deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample,
-                                             appended, list(sr.block_ids[sent_blocks:])))
+                blocks = None if sr.request_id in self.stale_tables else list(sr.block_ids[sent_blocks:])
+                self.stale_tables.discard(sr.request_id)
+                if blocks is None:                       # trimmed after rejected drafts: the whole table
+                    deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample,
+                                                 appended, [], None, drafts, list(sr.block_ids)))
+                else:
+                    deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample,
+                                                 appended, blocks, None, drafts))
             self.sent[sr.request_id] = (num_tokens, len(sr.block_ids))
         return StepDelta(deltas, list(out.finished_request_ids), list(out.preempted_request_ids))
 
@@ -96,12 +109,15 @@ class DeltaDecoder:
             else:
                 k = self.known[d.request_id]
                 k.tokens.extend(d.appended_token_ids)
+                if d.block_table is not None:
+                    k.block_ids[:] = d.block_table
                 k.block_ids.extend(d.appended_block_ids)
-            start = d.start_position
+            start, drafts = d.start_position, d.draft_token_ids
+            own = k.tokens[start:start + d.num_new_tokens - len(drafts)]
             scheduled.append(ScheduledRequest(
-                d.request_id, k.tokens[start:start + d.num_new_tokens], start, k.block_ids, d.sample, k.params,
+                d.request_id, own + drafts if drafts else own, start, k.block_ids, d.sample, k.params,
                 ListView(k.tokens, 0, k.num_prompt_tokens), ListView(k.tokens, k.num_prompt_tokens, None),
-                k.eos_token_ids))
+                k.eos_token_ids, len(drafts)))
         return SchedulerOutput(scheduled, list(msg.finished_request_ids), list(msg.preempted_request_ids))
 
 

@@ -116,12 +116,24 @@ class Sampler:
                        metas: Sequence[SamplingMeta]) -> torch.Tensor:
         """Sample rows `rows` of logits [num_rows, vocab] (pre-temperature, read only); metas: theirs.
         Returns [len(rows)] int64 token ids."""
-        probs = self._gather(logits, rows, "probs", copy=True)                      # [n, vocab]
-        row_max = _finite_row_max(probs, rows)                                      # [n]
-        temperature, top_k, top_p, min_p = _row_params(metas)                        # [n] each, CPU
-        scaled_probs_(probs, row_max, temperature)              # unnormalized probs at T, max 1
-        zero_below_(probs, truncation_thresholds(probs, top_k, top_p, min_p))
+        probs = self.target_probs(self._gather(logits, rows, "probs", copy=True), metas, rows)
         return sample_inverse_cdf(probs, self._uniforms(metas))
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, metas: Sequence[SamplingMeta], rows: list[int] | None = None) -> torch.Tensor:
+        """In place: logits [n, vocab] (pre-temperature, a copy the caller owns) -> the unnormalized
+        probabilities the rows sample from: temperature, then top-k / top-p / min-p truncation (max 1).
+        rows: the rows' batch indices, for error messages."""
+        row_max = _finite_row_max(logits, rows if rows is not None else list(range(len(metas))))   # [n]
+        temperature, top_k, top_p, min_p = _row_params(metas)                        # [n] each, CPU
+        scaled_probs_(logits, row_max, temperature)
+        zero_below_(logits, truncation_thresholds(logits, top_k, top_p, min_p))
+        return logits
+
+    def uniform(self, meta: SamplingMeta) -> float:
+        """One U[0, 1) draw for a row: from its own generator when seeded, else the shared one."""
+        g = meta.generator if meta.generator is not None else self.generator
+        return torch.rand(1, generator=g, device=g.device).item()
 
     def _uniforms(self, metas: Sequence[SamplingMeta]) -> torch.Tensor:
         """One U[0, 1) draw per row: seeded rows from their own generator, the rest from the shared one."""

@@ -119,7 +119,24 @@ class EngineStatsCollector(Collector):
             c.add_metric([self.model_name], float(getattr(stats, attr)))
             yield c
         yield from self._per_replica()
+        yield from self._spec_decode(stats.spec_decode)
         yield from self._step_time_model()
+
+    def _spec_decode(self, spec):
+        """Speculative decoding counters, vLLM's spec_decode_* names (absent with speculation off)."""
+        if spec is None:
+            return
+        for name, value, doc in (("num_drafts", spec.num_drafts, "Requests that carried draft tokens into a step"),
+                                 ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified"),
+                                 ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted")):
+            c = CounterMetricFamily(self.prefix + "spec_decode_" + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(value))
+            yield c
+        per = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position", labels=["model_name", "position"])
+        for i, value in enumerate(spec.accepted_per_position):
+            per.add_metric([self.model_name, str(i)], float(value))
+        yield per
 
     def _per_replica(self):
         """Data parallel: the gauges per replica (label `replica`), and whether each is up; the series

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from tokenmill.engine.errors import EngineDeadError, RequestFailedError
+from tokenmill.engine.errors import EngineDeadError, RequestFailedError, RequestUnavailableError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerConfig
@@ -274,6 +274,11 @@ class EngineCall:
         except (ValueError, TypeError) as e:
             self.unfinished.discard(engine_id)
             raise from_value_error(e) from None
+        except RequestUnavailableError as e:   # its replica died; the others serve on: retry
+            self.unfinished.discard(engine_id)
+            self.serving.metrics.count_finished(self.params.n, "error")
+            raise OpenAIError(503, str(e), type="server_error", code="replica_unavailable",
+                              headers={"Retry-After": "1"}) from None
         except RequestFailedError as e:   # this request alone failed in the engine; the engine serves on
             self.unfinished.discard(engine_id)
             self.serving.metrics.count_finished(self.params.n, "error")

@@ -15,8 +15,10 @@ class StepInputs:
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor      # [R] int64: the last new token of each request that samples
-    sample_request_idx: list[int]  # [R] index into sched_out.scheduled of each sampled row
+    sample_rows: torch.Tensor      # [R] int64: the last new token of each request that samples (its last
+                                   # 1 + d tokens for one carrying d drafts)
+    sample_request_idx: list[int]  # index into sched_out.scheduled of each request that samples
+    sample_num_rows: list[int] | None = None   # rows of sample_rows per such request; None: 1 each
 
     def to(self, device: torch.device) -> "StepInputs":
         """The same inputs on `device` (copies queued without a host sync); itself on the CPU, where they
@@ -30,7 +32,7 @@ class StepInputs:
                                  move(m.decode_mask), move(m.decode_lens), move(m.prefill_spans),
                                  move(m.prefill_slots), m.block_size, move(m.block_tables))
         return StepInputs(move(self.input_ids), move(self.positions), meta, move(self.sample_rows),
-                          self.sample_request_idx)
+                          self.sample_request_idx, self.sample_num_rows)
 
 
 def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs:
@@ -42,6 +44,7 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
     sample_idx: list[int] = []
     decode_rows: list[int] = []
     decode_idx: list[int] = []
+    num_rows: list[int] | None = None            # set once some request carries drafts
     for i, sr in enumerate(sched_out.scheduled):
         start, n = sr.start_position, sr.num_new_tokens
         row = len(ids)
@@ -50,8 +53,13 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
         rows.append((row, n, start + n))
         tables.append(sr.block_ids[:-(-(start + n) // block_size)])
         if sr.sample:
-            sample_rows.append(row + n - 1)
+            d = sr.num_draft_tokens
+            sample_rows.extend(range(row + n - 1 - d, row + n))
             sample_idx.append(i)
+            if d:
+                num_rows = num_rows or [1] * (len(sample_idx) - 1)
+            if num_rows is not None:
+                num_rows.append(d + 1)
         if n == 1:
             decode_rows.append(row)
             decode_idx.append(i)
@@ -68,7 +76,7 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
     if len(decode_rows) < len(spans):
         _add_prefill_tables(meta, spans, slots, [i for i, s in enumerate(spans) if s.query_len > 1])
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                      torch.tensor(sample_rows, dtype=torch.long), sample_idx)
+                      torch.tensor(sample_rows, dtype=torch.long), sample_idx, num_rows)
 
 
 def _slot_table(tables: list[list[int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from tokenmill.layers.quantize import load_and_quantize
 from tokenmill.models.registry import get_model_class
 from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.platforms import Platform, building
+from tokenmill.sample.rejection import verify
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
 from tokenmill.worker.input_batch import StepInputs, build_step_inputs
 
@@ -124,6 +125,8 @@ class ModelRunner:
             return RunnerOutput({})
         scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]
         metas = [self._sampling_meta(sr) for sr in scheduled]
+        if inputs.sample_num_rows is not None:                   # some requests carry drafts
+            return self._verify_drafts(hidden, scheduled, metas, inputs.sample_num_rows)
         tokens = self._screened_greedy(hidden, metas)
         if tokens is not None:
             return RunnerOutput({sr.request_id: [tok] for sr, tok in zip(scheduled, tokens)})
@@ -142,6 +145,29 @@ class ModelRunner:
         if keep_rows is not None:
             keep_rows = keep_rows.to(self.device, non_blocking=True)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, keep_rows)
+
+    def _verify_drafts(self, hidden, scheduled, metas, num_rows: list[int]) -> RunnerOutput:
+        """hidden: per request that samples, its last 1 + d rows (d drafts). Requests with drafts get their
+        accepted drafts plus one token (sample/rejection.py); the others are sampled as usual."""
+        logits = self.model.compute_logits(hidden)                       # [sum(num_rows), vocab] float32
+        sampled: dict[str, list[int]] = {}
+        plain, row = [], 0
+        for sr, meta, n in zip(scheduled, metas, num_rows):
+            if n == 1:
+                plain.append((sr, meta, row))
+            else:
+                drafts = list(sr.token_ids[sr.num_new_tokens - sr.num_draft_tokens:])
+                sampled[sr.request_id] = verify(self.sampler, logits[row:row + n], drafts, meta)
+            row += n
+        logprobs = {}
+        if plain:
+            rows = torch.tensor([r for _, _, r in plain], dtype=torch.long, device=logits.device)
+            out = self.sampler(logits.index_select(0, rows), [m for _, m, _ in plain])
+            for (sr, _, _), token, lp in zip(plain, out.token_ids, out.logprobs):
+                sampled[sr.request_id] = [token]
+                if lp is not None:
+                    logprobs[sr.request_id] = [lp]
+        return RunnerOutput(sampled, logprobs)
 
     def _check_vocab(self, out: RunnerOutput) -> RunnerOutput:
         """A sampled id outside the vocabulary never reaches the cache: its request fails instead."""

@@ -83,6 +83,19 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> bool:
+        """Free the request's trailing blocks past those num_tokens tokens need (speculative decoding:
+        blocks that only rejected drafts filled); whether any were. Such blocks were never cached: a block
+        is cached only once full of the request's own tokens."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return False
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(list(reversed(extra)))
+        return True
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

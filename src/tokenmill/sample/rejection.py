@@ -1,0 +1,53 @@
+"""Verifying draft tokens against the target model (speculative decoding), losslessly.
+
+For one request with drafts d_1..d_k and the target's logits at the k + 1 positions they imply
+(position i predicts the token after d_1..d_i):
+- greedy: accept while d_i is the target's argmax; then the target's own token at the first mismatch
+  (or after the last draft): exactly the tokens decoding without drafts gives;
+- sampling: rejection sampling (Leviathan et al. 2023) with the proposer's q: accept d_i with
+  probability min(1, p(d_i) / q(d_i)), else sample from norm(max(p - q, 0)) and stop; all accepted:
+  sample the bonus token from p at position k + 1. The accepted run plus that token is distributed exactly
+  as sampling from p token by token. n-gram drafts are certain (q one-hot): accept with p(d_i), resample
+  from p with d_i removed. p is the distribution the sampler would draw from (temperature, top-k, top-p,
+  min-p); draws come from the request's generator when it has a seed, so seeded runs repeat.
+
+Requests with penalties, min_tokens still to reach or logprobs are not speculated on (the engine core
+proposes no drafts for them): their per-position processing would depend on the accepted prefix.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.sample.sampler import Sampler, SamplingMeta, _argmax
+from tokenmill.sample.truncation import sample_inverse_cdf
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: SamplingMeta) -> list[int]:
+    """logits [len(drafts) + 1, vocab] float32 (read only) -> the accepted drafts and one token more."""
+    if meta.params.greedy:
+        target = _argmax(logits).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            accepted += 1
+        return drafts[:accepted] + [target[accepted]]
+    probs = Sampler.target_probs(logits.float().clone(), [meta] * logits.shape[0])      # [k + 1, vocab]
+    for i, draft in enumerate(drafts):
+        row = probs[i]
+        if sampler.uniform(meta) < float(row[draft] / row.sum()):
+            continue                                                    # accepted
+        row[draft] = 0.0                                                # norm(max(p - one_hot, 0))
+        if not bool((row > 0).any()):       # all the mass was on the draft (rounding): the only choice
+            continue
+        return drafts[:i] + [_draw(sampler, row, meta)]
+    return drafts + [_draw(sampler, probs[-1], meta)]
+
+
+def _draw(sampler: Sampler, row: torch.Tensor, meta: SamplingMeta) -> int:
+    return int(sample_inverse_cdf(row[None], torch.tensor([sampler.uniform(meta)]))[0])
+
+
+def speculation_applies(params, num_output_tokens: int) -> bool:
+    """Whether drafts may be proposed for a request now (see the module docstring)."""
+    return (params.logprobs is None and num_output_tokens >= params.min_tokens
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0)

@@ -1,0 +1,21 @@
+"""The proposer interface."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class Proposer:
+    """Proposes draft tokens for requests from what each has so far; may keep per-request state (dropped
+    with `drop` when the request ends)."""
+    name = "base"
+    one_hot = True              # drafts are certain guesses (q = one-hot): rejection sampling needs no q
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def propose(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k draft ids to follow token_ids (the request's prompt + output so far); [] for none."""
+        raise NotImplementedError
+
+    def drop(self, request_id: str) -> None:
+        """Forget a finished request."""

@@ -1,0 +1,66 @@
+"""Draft verification (sample/rejection.py): greedy keeps the target's argmax run; rejection sampling
+leaves the target distribution as it is (chi-square on a tiny vocabulary, first and second positions),
+and a seeded request repeats."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.sample.rejection import verify
+from tokenmill.sample.sampler import Sampler, SamplingMeta
+from tokenmill.sampling_params import SamplingParams
+
+VOCAB = 8
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}   # critical values, p = 0.001
+
+
+def _meta(params, generator=None):
+    return SamplingMeta(params, generator, [1], [], [])
+
+
+def test_greedy_accepts_the_matching_run_then_the_targets_token():
+    logits = torch.full((4, VOCAB), -1.0)
+    for row, best in enumerate([3, 5, 2, 7]):
+        logits[row, best] = 1.0
+    sampler, meta = Sampler(seed=0), _meta(SamplingParams(temperature=0.0))
+    assert verify(sampler, logits, [3, 5, 2], meta) == [3, 5, 2, 7]      # all accepted, plus the bonus
+    assert verify(sampler, logits, [3, 4, 2], meta) == [3, 5]            # stops at the first mismatch
+    assert verify(sampler, logits, [0, 5, 2], meta) == [3]
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """(statistic, degrees of freedom), bins expecting fewer than 5 merged into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)]) if small.any() else expected
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, VOCAB, generator=g) * 1.5
+    params = SamplingParams(temperature=0.8)
+    p = torch.softmax(logits / 0.8, dim=-1)
+    drafts = [int(p[0].argsort(descending=True)[1]), int(p[1].argmax())]   # the second likeliest, the likeliest
+    sampler, meta = Sampler(seed=2), _meta(params)
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for _ in range(20000):
+        out = verify(sampler, logits, drafts, meta)
+        first[out[0]] += 1
+        if out[0] == drafts[0] and len(out) > 1:             # the second token follows the accepted first
+            second[out[1]] += 1
+    stat, df = _chi2(first, p[0])
+    assert stat < CHI2_P001[df]
+    stat, df = _chi2(second, p[1])
+    assert second.sum() > 1000 and stat < CHI2_P001[df]
+
+
+def test_a_seeded_request_repeats():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=7)
+    runs = []
+    for _ in range(2):
+        meta = _meta(params, Sampler.make_generator(7))           # one generator across the request's steps
+        runs.append([verify(Sampler(seed=None), logits, [1, 2], meta) for _ in range(8)])
+    assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 1
