@@ -150,6 +150,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int              # k: the most draft tokens per request per step
     prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4               # ngram: the longest
+    adaptive: bool = True                    # k per step from acceptance and the step-time model (False: k)
 
     def __post_init__(self) -> None:
         from tokenmill.spec import PROPOSERS

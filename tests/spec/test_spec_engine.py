@@ -101,3 +101,29 @@ def test_bad_speculative_configs_are_refused(tiny_model_dir):
                        ("{not json", "not valid JSON")]:
         with pytest.raises(ValueError, match=match):
             LLM(tiny_model_dir, speculative_config=bad, kv_cache_memory_bytes=1 << 22)
+
+
+def test_fixed_and_adaptive_draft_lengths(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    fixed = _llm(model, {**SPEC, "adaptive": False})
+    adaptive = _llm(model, SPEC)
+    assert _tokens(fixed) == _tokens(adaptive)
+    assert fixed.engine.core.draft_length is None and adaptive.engine.core.draft_length is not None
+    assert 0 <= adaptive.engine.core.draft_length.last_k <= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_default_model_speculates_losslessly(quantization):
+    article = ("The old lighthouse keeper climbed the stairs every evening. The old lighthouse keeper lit the lamp "
+               "every evening. Ships passed the rocks safely because the old lighthouse keeper lit the lamp. ") * 3
+    prompts = [f"Summarize: {article}\nSummary:", "Repeat after me: red, green, blue, red, green, blue, red, green,"]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for spec in (None, {**SPEC, "adaptive": False}):
+        llm = LLM(quantization=quantization, speculative_config=spec, kv_cache_memory_bytes=1 << 26,
+                  enable_prefix_caching=False)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        if spec:
+            assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert runs[0] == runs[1]

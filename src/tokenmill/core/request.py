@@ -45,6 +45,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_steps: int = 0               # steps that verified drafts of it
     num_accepted_draft_tokens: int = 0
+    last_accepted_drafts: int = 0         # of its latest verified step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

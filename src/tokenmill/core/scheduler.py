@@ -189,7 +189,8 @@ class Scheduler:
                 request.spec_token_ids = []
                 self.spec_stats.record(sr.num_draft_tokens, len(sampled) - 1)
                 request.num_spec_steps += 1
-                request.num_accepted_draft_tokens += max(len(sampled) - 1, 0)
+                request.last_accepted_drafts = max(len(sampled) - 1, 0)
+                request.num_accepted_draft_tokens += request.last_accepted_drafts
             new_ids = self._append_tokens(request, sampled)
             if rejected and not request.is_finished and self.kv.trim(request, request.num_tokens):
                 self.trimmed_since_last_step.append(request.request_id)   # blocks only rejected drafts filled

@@ -23,6 +23,7 @@ from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
 from tokenmill.sample.rejection import speculation_applies
 from tokenmill.spec import make_proposer
+from tokenmill.spec.adaptive import AdaptiveDraftLength
 from tokenmill.executor import ExecutorFailed, make_executor
 
 logger = logging.getLogger("tokenmill")
@@ -72,7 +73,10 @@ class EngineCore:
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
-        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        spec = config.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens) if spec is not None and spec.adaptive \
+            else None                                  # None: always k
 
     def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
         self.scheduler.check_fits(num_prompt_tokens, what)
@@ -114,6 +118,14 @@ class EngineCore:
         k = self.config.speculative.num_speculative_tokens
         for rid in sched_out.finished_request_ids:
             self.proposer.drop(rid)
+        if self.draft_length is not None:
+            for sr in sched_out.scheduled:
+                if sr.num_draft_tokens:
+                    request = self.scheduler.requests.get(sr.request_id)
+                    if request is not None:
+                        self.draft_length.observe(sr.num_draft_tokens, request.last_accepted_drafts)
+            decoding = [r.num_tokens - 1 for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+            k = self.draft_length.choose(self.step_model, decoding)
         for request in self.scheduler.running:
             room = min(k, request.max_tokens - request.num_output_tokens - 1)
             if room <= 0 or request.num_computed_tokens != request.num_tokens - 1 \

@@ -68,7 +68,7 @@ class LLMEngine:
             self.step_model_source = "replica 0"
         else:
             self.core = EngineCore(config, source.iter_weights(), self.platform)
-            if self.core.scheduler.policy.needs_step_model:
+            if self.core.scheduler.policy.needs_step_model or self.core.draft_length is not None:
                 self.step_model_source = seed_step_model(self.core)
         self.config = self.core.config                   # with the KV pool's size
         self.eos_token_ids = self.config.model.eos_token_ids

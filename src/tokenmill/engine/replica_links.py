@@ -25,7 +25,7 @@ def build_replica_core(index: int, config, threads: int):
     from tokenmill.engine.engine_core import EngineCore
     from tokenmill.loaders import open_model_source
     core = EngineCore(config, open_model_source(config.model_path).iter_weights())
-    if core.scheduler.policy.needs_step_model:
+    if core.scheduler.policy.needs_step_model or core.draft_length is not None:
         seed_step_model(core)
     return core
 
