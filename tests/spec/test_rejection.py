@@ -64,3 +64,14 @@ def test_a_seeded_request_repeats():
         meta = _meta(params, Sampler.make_generator(7))           # one generator across the request's steps
         runs.append([verify(Sampler(seed=None), logits, [1, 2], meta) for _ in range(8)])
     assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 1
+
+
+def test_min_tokens_bans_eos_only_at_the_positions_short_of_it():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 2] = 5.0                                             # EOS (id 2) is every row's argmax
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    meta = SamplingMeta(params, None, [1], [7], [2])                # one output so far: row 0 is output 2
+    out = verify(Sampler(seed=0), logits, [3, 2], meta)
+    assert out[0] != 2 and out[0] == 0                            # banned at row 0: the next best, id 0
+    logits[0, 3] = 6.0
+    assert verify(Sampler(seed=0), logits, [3, 2], meta) == [3, 2, 2]   # row 1 is output 3: EOS allowed

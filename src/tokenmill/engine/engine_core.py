@@ -105,25 +105,23 @@ class EngineCore:
             return []
         runner_out = self._execute_isolated(sched_out)
         produced = self.scheduler.update(sched_out, runner_out)
+        seconds = time.perf_counter() - t0
         if not runner_out.failed:                      # a bisected step's time describes no normal step
-            self.step_model.observe(step_features(sched_out), time.perf_counter() - t0)
+            self.step_model.observe(step_features(sched_out), seconds)
         if self.proposer is not None:
-            self._propose(sched_out)
+            self._propose(sched_out, seconds, produced)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
 
-    def _propose(self, sched_out: SchedulerOutput) -> None:
+    def _propose(self, sched_out: SchedulerOutput, seconds: float, produced) -> None:
         """Drafts for every running request whose next step is a decode (speculation_applies), at most k
-        and no more than its max_tokens and the context leave room for."""
+        and no more than its max_tokens and the context leave room for. Adaptive: k for the next step from
+        this one's outcome (spec/adaptive.py)."""
         k = self.config.speculative.num_speculative_tokens
         for rid in sched_out.finished_request_ids:
             self.proposer.drop(rid)
         if self.draft_length is not None:
-            for sr in sched_out.scheduled:
-                if sr.num_draft_tokens:
-                    request = self.scheduler.requests.get(sr.request_id)
-                    if request is not None:
-                        self.draft_length.observe(sr.num_draft_tokens, request.last_accepted_drafts)
+            self._observe_speculation(sched_out, seconds, produced)
             decoding = [r.num_tokens - 1 for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
             k = self.draft_length.choose(self.step_model, decoding)
         for request in self.scheduler.running:
@@ -133,6 +131,26 @@ class EngineCore:
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+
+    def _observe_speculation(self, sched_out: SchedulerOutput, seconds: float, produced) -> None:
+        """Feed the adaptive draft length: per request the accepted drafts; per step, when every request in
+        it decoded (a step with prefill chunks says nothing about k), its time and tokens."""
+        dl = self.draft_length
+        decoding = 0
+        for sr in sched_out.scheduled:
+            if sr.num_new_tokens - sr.num_draft_tokens != 1 or sr.start_position + 1 < len(sr.prompt_token_ids):
+                return self._observe_requests(sched_out)
+            decoding += 1
+        self._observe_requests(sched_out)
+        if decoding:
+            dl.observe_step(dl.last_k, decoding, seconds, sum(len(ids) for _, ids in produced))
+
+    def _observe_requests(self, sched_out: SchedulerOutput) -> None:
+        for sr in sched_out.scheduled:
+            if sr.num_draft_tokens:
+                request = self.scheduler.requests.get(sr.request_id)
+                if request is not None:
+                    self.draft_length.observe_request(sr.num_draft_tokens, request.last_accepted_drafts)
 
     def _execute_isolated(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """runner.execute; when it raises, each half of the step runs on its own (recursively), so only the

@@ -11,8 +11,9 @@ For one request with drafts d_1..d_k and the target's logits at the k + 1 positi
   from p with d_i removed. p is the distribution the sampler would draw from (temperature, top-k, top-p,
   min-p); draws come from the request's generator when it has a seed, so seeded runs repeat.
 
-Requests with penalties, min_tokens still to reach or logprobs are not speculated on (the engine core
-proposes no drafts for them): their per-position processing would depend on the accepted prefix.
+min_tokens masking applies per position (EOS and stop tokens banned at the positions still short of it).
+Requests with penalties or logprobs are not speculated on (the engine core proposes no drafts for them):
+their per-position processing would depend on the accepted prefix.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tokenmill.sample.truncation import sample_inverse_cdf
 
 def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: SamplingMeta) -> list[int]:
     """logits [len(drafts) + 1, vocab] float32 (read only) -> the accepted drafts and one token more."""
+    logits = _min_tokens_masked(logits, meta)
     if meta.params.greedy:
         target = _argmax(logits).tolist()
         accepted = 0
@@ -42,12 +44,24 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
     return drafts + [_draw(sampler, probs[-1], meta)]
 
 
+def _min_tokens_masked(logits: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
+    """Row i is the request's output token number len(outputs) + i: while that is short of min_tokens, EOS
+    and the stop tokens are banned there, as the sampler bans them one token at a time."""
+    params, done = meta.params, len(meta.output_token_ids)
+    banned = [*meta.eos_token_ids, *params.stop_token_ids]
+    rows = min(logits.shape[0], params.min_tokens - done)
+    if not banned or rows <= 0:
+        return logits
+    logits = logits.clone()
+    logits[:rows, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+    return logits
+
+
 def _draw(sampler: Sampler, row: torch.Tensor, meta: SamplingMeta) -> int:
     return int(sample_inverse_cdf(row[None], torch.tensor([sampler.uniform(meta)]))[0])
 
 
 def speculation_applies(params, num_output_tokens: int) -> bool:
     """Whether drafts may be proposed for a request now (see the module docstring)."""
-    return (params.logprobs is None and num_output_tokens >= params.min_tokens
-            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0)

@@ -1,53 +1,84 @@
-"""Load-adaptive draft length: each step, the k in 0..max_k that maximizes the batch's expected output
-tokens per second, from the measured acceptance and the step-time model (core/step_time.py, the SLO
-scheduler's model: a decode row is cheap when a step is memory-bound, a draft token costs what a prefill
-token costs).
+"""Load-adaptive draft length: each step, the k (among 0, max_k / 2 and max_k) expected to give the batch
+the most output tokens per second, so speculation turns itself off when the batch is compute-bound and
+back on when it is not.
 
-With per-position acceptance alpha (drafts are accepted as a run until the first rejection), a request
-drafting k tokens yields E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per step. For the n requests that
-decode next, k costs the step the time of n chunks of 1 + k tokens instead of n decode rows:
-    k* = argmax_k  n E(k) / predict(intercept + n chunks of 1 + k tokens at their positions)
-so speculation turns itself off (k* = 0) when the batch is compute-bound, and back on when it is not.
-
-alpha is a recency-weighted estimate over the steps that carried drafts (successes: accepted drafts;
-trials: those plus one rejection where the run stopped short), starting from a neutral prior."""
+Two sources, per batch-size bucket (1, 2-3, 4-7, ... decoding requests):
+- measured: recency-weighted step seconds and tokens per step of the steps that ran with each k (the
+  acceptance is in the tokens);
+- predicted, while a k has too few measurements there: the step-time model (core/step_time.py, the SLO
+  scheduler's model: n chunks of 1 + k tokens instead of n decode rows) and the measured per-position
+  acceptance alpha, E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per request.
+One step in `explore_every` of a bucket tries the k measured least there, so a choice made under one
+load is revisited under another."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tokenmill.core.step_time import StepFeatures, StepTimeModel, chunk_features
 
 
+@dataclass
+class _Measured:
+    seconds: float = 0.0          # weighted sums
+    tokens: float = 0.0
+    weight: float = 0.0
+
+
 class AdaptiveDraftLength:
-    def __init__(self, max_k: int, prior_alpha: float = 0.5, prior_weight: float = 8.0, decay: float = 0.99) -> None:
+    min_measured = 2.0            # weight of measurements before they replace the prediction
+    explore_every = 16
+
+    def __init__(self, max_k: int, prior_alpha: float = 0.5, prior_weight: float = 8.0, decay: float = 0.95) -> None:
         self.max_k, self.decay = max_k, decay
+        self.choices = sorted({0, max_k // 2, max_k})
         self.accepted, self.trials = prior_alpha * prior_weight, prior_weight
-        self.last_k = max_k                       # observability: the latest choice
+        self.measured: dict[tuple[int, int], _Measured] = {}
+        self.steps: dict[int, int] = {}
+        self.last_k = max_k                       # the latest choice (observability)
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return max(num_decoding, 1).bit_length()
 
     @property
     def alpha(self) -> float:
         return min(self.accepted / self.trials, 0.999) if self.trials else 0.0
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One request's verified step."""
-        self.accepted = self.accepted * self.decay + num_accepted
-        self.trials = self.trials * self.decay + num_accepted + (1 if num_accepted < num_draft_tokens else 0)
+    def observe_request(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verified step (for alpha)."""
+        self.accepted = self.accepted * 0.99 + num_accepted
+        self.trials = self.trials * 0.99 + num_accepted + (1 if num_accepted < num_draft_tokens else 0)
+
+    def observe_step(self, k: int, num_decoding: int, seconds: float, tokens: int) -> None:
+        """A step that ran with draft length k for num_decoding decoding requests and produced `tokens`."""
+        m = self.measured.setdefault((self.bucket(num_decoding), k), _Measured())
+        m.seconds = m.seconds * self.decay + seconds
+        m.tokens = m.tokens * self.decay + tokens
+        m.weight = m.weight * self.decay + 1.0
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
         return (1 - a ** (k + 1)) / (1 - a)
 
     def choose(self, model: StepTimeModel, positions: list[int]) -> int:
-        """k for requests about to decode at `positions` (their next token's position); 0: no drafts."""
+        """k for the requests about to decode at `positions` (their next token's position)."""
         if not positions:
-            return self.max_k
-        best_k, best_rate = 0, 0.0
-        for k in range(self.max_k + 1):
-            rows = prefill = reads = 0
-            for p in positions:
-                f = chunk_features(p, 1 + k)
-                rows, prefill, reads = rows + f.decode_rows, prefill + f.prefill_tokens, reads + f.context_reads
-            seconds = model.predict(StepFeatures(rows, prefill, reads))
-            rate = len(positions) * self.expected_tokens(k) / max(seconds, 1e-9)
-            if rate > best_rate * 1.0001:                # a longer draft must actually pay
-                best_k, best_rate = k, rate
-        self.last_k = best_k
-        return best_k
+            return self.last_k
+        b = self.bucket(len(positions))
+        self.steps[b] = self.steps.get(b, 0) + 1
+        if self.steps[b] % self.explore_every == 0:
+            k = min(self.choices, key=lambda c: self.measured.get((b, c), _Measured()).weight)
+        else:
+            k = max(self.choices, key=lambda c: (self._rate(model, positions, b, c), -c))
+        self.last_k = k
+        return k
+
+    def _rate(self, model: StepTimeModel, positions: list[int], b: int, k: int) -> float:
+        m = self.measured.get((b, k))
+        if m is not None and m.weight >= self.min_measured and m.seconds > 0:
+            return m.tokens / m.seconds
+        rows = prefill = reads = 0
+        for p in positions:
+            f = chunk_features(p, 1 + k)
+            rows, prefill, reads = rows + f.decode_rows, prefill + f.prefill_tokens, reads + f.context_reads
+        return len(positions) * self.expected_tokens(k) / max(model.predict(StepFeatures(rows, prefill, reads)), 1e-9)

@@ -1,0 +1,98 @@
+"""Speculative decoding on the default model, speculation vs none in the same run (issue 17):
+
+1. Batch-1 decode on summarization prompts: MLPerf's Llama 3.1 8B summarization prompt over the articles
+   in benchmarks/data/public_domain_articles.jsonl, greedy, 128 output tokens (EOS ignored), one request
+   at a time. Decode tok/s = (tokens - 1) / (last token time - first token time), the median over
+   articles and --runs; the ratio to no speculation. Per proposer config (--configs), with its mean
+   acceptance length.
+2. Batch 64, Offline: 64 summarization requests (the articles repeated) at once, output tok/s of adaptive
+   speculation vs none (the target: never a loss at high load).
+
+    .venv/bin/python benchmarks/spec_decode.py [--runs 3] [--quantization int4] [--skip-offline]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+ARTICLES = os.path.join(os.path.dirname(__file__), "data", "public_domain_articles.jsonl")
+CONFIGS = {
+    "none": None,
+    "ngram-k4-fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram-k4-adaptive": {"method": "ngram", "num_speculative_tokens": 4},
+}
+
+
+def prompts() -> list[str]:
+    from tokenmill.bench.datasets import CNNDM_PROMPT
+    with open(ARTICLES) as f:
+        return [CNNDM_PROMPT.format(article=json.loads(line)["article"]) for line in f]
+
+
+def batch1(llm, texts: list[str], runs: int) -> tuple[float, float | None]:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=128, min_tokens=128, ignore_eos=True)
+    rates, lengths = [], []
+    for _ in range(runs):
+        for text in texts:
+            out = llm.generate([text], params)[0].outputs[0]
+            t = out.metrics.token_times
+            rates.append((len(t) - 1) / (t[-1] - t[0]))
+            if out.metrics.mean_acceptance_length is not None:
+                lengths.append(out.metrics.mean_acceptance_length)
+    return statistics.median(rates), (statistics.mean(lengths) if lengths else None)
+
+
+def offline(llm, texts: list[str], n: int, runs: int) -> float:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=128, min_tokens=128, ignore_eos=True)
+    batch = [texts[i % len(texts)] for i in range(n)]
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--offline-requests", type=int, default=64)
+    ap.add_argument("--skip-offline", action="store_true")
+    args = ap.parse_args()
+    from tokenmill import LLM
+    texts = prompts()
+    print(f"default model, {args.quantization or 'fp32'}, {len(texts)} articles, 128 output tokens, "
+          f"medians of {args.runs}; {os.cpu_count()} cores")
+    results = {}
+    for name in args.configs.split(","):
+        llm = LLM(quantization=args.quantization, speculative_config=CONFIGS[name], enable_prefix_caching=False,
+                  kv_cache_memory_bytes=1 << 30)
+        llm.generate(texts[:1], None)                                  # warm-up
+        rate, length = batch1(llm, texts, args.runs)
+        off = None if args.skip_offline or name == "ngram-k4-fixed" else \
+            offline(llm, texts, args.offline_requests, args.runs)
+        results[name] = (rate, length, off)
+        del llm
+    base = results.get("none")
+    for name, (rate, length, off) in results.items():
+        ratio = f" x{rate / base[0]:.2f}" if base and name != "none" else ""
+        acc = f", mean acceptance length {length:.2f}" if length else ""
+        line = f"{name:18s} batch-1 decode {rate:7.1f} tok/s{ratio}{acc}"
+        if off is not None:
+            line += f"; offline x{args.offline_requests} {off:7.1f} tok/s" + \
+                (f" x{off / base[2]:.3f}" if base and base[2] and name != "none" else "")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
