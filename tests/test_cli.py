@@ -18,6 +18,14 @@ def test_generate_streams_text_and_reports(tiny_model_dir):
     assert r.stdout.strip() != ""
 
 
+def test_generate_with_speculation_reports_its_acceptance(tiny_model_dir):
+    r = run_cli(["generate", "one two three one two three one two three one two", "--model", tiny_model_dir,
+                 "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--stats", "--kv-cache-memory-bytes",
+                 str(1 << 22), "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert r.returncode == 0, r.stderr
+    assert "12 generated" in r.stderr and "draft tokens accepted; by position" in r.stderr
+
+
 def test_generate_bad_option_is_a_clear_error(tiny_model_dir):
     r = run_cli(["generate", "x", "--model", tiny_model_dir, "--temperature", "-1"])
     assert r.returncode == 2

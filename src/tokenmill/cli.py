@@ -53,7 +53,20 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     print(f"\n--- {len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated "
           f"(finish: {c.finish_reason}); start-up to first token {first_token_s:.2f} s; "
           f"decode {rate:.1f} tok/s; total {wall:.2f} s", file=sys.stderr)
+    if ns.stats:
+        print(f"--- {speculation_summary(m, llm.engine.stats().spec_decode)}", file=sys.stderr)
     return 0
+
+
+def speculation_summary(metrics, spec) -> str:
+    """One line on speculative decoding for --stats."""
+    if spec is None:
+        return "speculative decoding off"
+    per = ", ".join(f"{a / spec.num_drafts:.0%}" for a in spec.accepted_per_position) if spec.num_drafts else "-"
+    length = metrics.mean_acceptance_length
+    return (f"speculation: {metrics.num_spec_steps} steps with drafts, mean acceptance length "
+            f"{length:.2f}" if length else "speculation: no drafts were proposed") + \
+        f"; {spec.num_accepted_tokens}/{spec.num_draft_tokens} draft tokens accepted; by position {per}"
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
@@ -95,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     gen.add_argument("prompt")
+    gen.add_argument("--stats", action="store_true", help="also print speculative decoding's acceptance")
     add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)

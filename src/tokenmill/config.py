@@ -151,6 +151,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4               # ngram: the longest
     adaptive: bool = True                    # k per step from acceptance and the step-time model (False: k)
+    # "strict": lossless. "relaxed" (greedy requests, LOSSY, TensorRT-LLM's relaxed acceptance): a draft is
+    # also accepted when it is among the target's top relaxed_top_n and its probability is within
+    # relaxed_delta of the best one's
+    acceptance: str = "strict"
+    relaxed_top_n: int = 3
+    relaxed_delta: float = 0.1
 
     def __post_init__(self) -> None:
         from tokenmill.spec import PROPOSERS
@@ -159,6 +165,10 @@ class SpeculativeConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config: num_speculative_tokens must be an integer in [1, 16], got "
                              f"{self.num_speculative_tokens!r}")
+        if self.acceptance not in ("strict", "relaxed"):
+            raise ValueError(f"speculative_config: acceptance must be 'strict' or 'relaxed', got {self.acceptance!r}")
+        if not isinstance(self.relaxed_top_n, int) or self.relaxed_top_n < 1 or not 0.0 <= self.relaxed_delta <= 1.0:
+            raise ValueError("speculative_config: relaxed_top_n must be an integer >= 1 and relaxed_delta in [0, 1]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

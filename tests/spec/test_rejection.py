@@ -75,3 +75,13 @@ def test_min_tokens_bans_eos_only_at_the_positions_short_of_it():
     assert out[0] != 2 and out[0] == 0                            # banned at row 0: the next best, id 0
     logits[0, 3] = 6.0
     assert verify(Sampler(seed=0), logits, [3, 2], meta) == [3, 2, 2]   # row 1 is output 3: EOS allowed
+
+
+def test_relaxed_acceptance_takes_a_close_second_only_when_asked():
+    logits = torch.full((3, VOCAB), -5.0)
+    logits[:, 4], logits[:, 5] = 2.0, 1.9                      # 5 is a close second everywhere
+    meta = _meta(SamplingParams(temperature=0.0))
+    assert verify(Sampler(seed=0), logits, [5, 5], meta) == [4]                    # strict: greedy
+    assert verify(Sampler(seed=0), logits, [5, 5], meta, relaxed=(2, 0.1)) == [5, 5, 4]
+    assert verify(Sampler(seed=0), logits, [5, 5], meta, relaxed=(1, 0.1)) == [4]  # not in the top 1
+    assert verify(Sampler(seed=0), logits, [5, 5], meta, relaxed=(2, 0.01)) == [4] # not within delta

@@ -127,3 +127,13 @@ def test_the_default_model_speculates_losslessly(quantization):
         if spec:
             assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
     assert runs[0] == runs[1]
+
+
+def test_relaxed_acceptance_accepts_at_least_as_much(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    strict = _llm(model, {**SPEC, "adaptive": False})
+    relaxed = _llm(model, {**SPEC, "adaptive": False, "acceptance": "relaxed", "relaxed_top_n": 4,
+                           "relaxed_delta": 0.5})
+    _tokens(strict), _tokens(relaxed)
+    a, b = strict.engine.stats().spec_decode, relaxed.engine.stats().spec_decode
+    assert b.num_accepted_tokens / b.num_draft_tokens >= a.num_accepted_tokens / a.num_draft_tokens

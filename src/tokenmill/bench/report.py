@@ -77,7 +77,17 @@ def console_summary(o: Outcome, profile: Profile) -> str:
         lines += _efficiency_lines(o.efficiency)
     if o.extra.get("step_time_model"):
         lines += _step_model_lines(o.extra["step_time_model"])
+    if o.extra.get("spec_decode"):
+        lines += _spec_decode_lines(o.extra["spec_decode"])
     return "\n".join(lines)
+
+
+def _spec_decode_lines(s: dict) -> list[str]:
+    drafts = s["num_drafts"]
+    per = ", ".join(f"{a / drafts:.0%}" for a in s["accepted_per_position"]) if drafts else "-"
+    return [f"Speculative decoding (since the engine started): mean acceptance length "
+            f"{_fmt(s['mean_acceptance_length'], 2)}, {s['num_accepted_tokens']}/{s['num_draft_tokens']} draft "
+            f"tokens accepted over {drafts} drafts; acceptance by position: {per}"]
 
 
 def _step_model_lines(s: dict) -> list[str]:

@@ -132,15 +132,20 @@ def engine_step_time_model(sut: SUT) -> dict | None:
     describe = getattr(engine, "step_time_model", None)
     if callable(describe):
         return describe()
+    text = _server_metrics(sut)
+    return None if text is None else step_time_model_from_metrics(text)
+
+
+def _server_metrics(sut: SUT) -> str | None:
+    """The /metrics text of the server an HTTP SUT talks to; None in process or when it does not answer."""
     url = getattr(getattr(sut, "config", None), "base_url", None)
     if not url:
         return None
     import httpx
     try:
-        text = httpx.get(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=5.0).text
+        return httpx.get(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return None
-    return step_time_model_from_metrics(text)
 
 
 def step_time_model_from_metrics(text: str) -> dict | None:
@@ -159,6 +164,40 @@ def step_time_model_from_metrics(text: str) -> dict | None:
             "per_decode_row_ms": 1e3 * coeffs["per_decode_row"], "per_prefill_token_ms": 1e3 * coeffs["per_prefill_token"],
             "per_1k_context_reads_ms": 1e6 * coeffs["per_context_read"], "observations": observations,
             "source": "server /metrics", "policy": "server's"}
+
+
+def engine_spec_decode(sut: SUT) -> dict | None:
+    """Speculative decoding counters since the engine started: in-process from its stats, over HTTP from a
+    tokenmill server's spec_decode_* counters; None where speculation is off or unknown."""
+    engine = getattr(sut, "engine", None)
+    stats = getattr(engine, "stats", None)
+    if callable(stats):
+        spec = getattr(stats(), "spec_decode", None)
+        return None if spec is None else _spec_dict(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                                    spec.accepted_per_position)
+    text = _server_metrics(sut)
+    return None if text is None else spec_decode_from_metrics(text)
+
+
+def spec_decode_from_metrics(text: str) -> dict | None:
+    """Parse `<prefix>spec_decode_*_total` counters (server/metrics.py)."""
+    totals, per = {}, {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if "spec_decode_num_accepted_tokens_per_pos_total" in name and 'position="' in line:
+            per[int(line.split('position="', 1)[1].split('"', 1)[0])] = int(float(line.rsplit(" ", 1)[1]))
+        elif "spec_decode_" in name and name.endswith("_total") and not line.startswith("#"):
+            totals[name.split("spec_decode_", 1)[1].removesuffix("_total")] = int(float(line.rsplit(" ", 1)[1]))
+    if "num_drafts" not in totals:
+        return None
+    return _spec_dict(totals["num_drafts"], totals.get("num_draft_tokens", 0), totals.get("num_accepted_tokens", 0),
+                      [per[i] for i in sorted(per)])
+
+
+def _spec_dict(drafts: int, draft_tokens: int, accepted: int, per_position: list[int]) -> dict:
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "accepted_per_position": list(per_position),
+            "mean_acceptance_length": (accepted + drafts) / drafts if drafts else None}
 
 
 class BenchSession:
@@ -194,6 +233,9 @@ class BenchSession:
         model = engine_step_time_model(self.sut)
         if model is not None:
             outcome.extra["step_time_model"] = model
+        spec = engine_spec_decode(self.sut)
+        if spec is not None:
+            outcome.extra["spec_decode"] = spec
         return outcome
 
     def outcome(self, result: RunResult, joules: float | None, label: str) -> Outcome:

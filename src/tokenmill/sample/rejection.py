@@ -12,6 +12,8 @@ For one request with drafts d_1..d_k and the target's logits at the k + 1 positi
   min-p); draws come from the request's generator when it has a seed, so seeded runs repeat.
 
 min_tokens masking applies per position (EOS and stop tokens banned at the positions still short of it).
+Relaxed acceptance (opt-in, lossy, greedy only): a draft among the target's top-N within delta of the best
+probability is accepted too (TensorRT-LLM's relaxed acceptance for reasoning models).
 Requests with penalties or logprobs are not speculated on (the engine core proposes no drafts for them):
 their per-position processing would depend on the accepted prefix.
 """
@@ -23,13 +25,18 @@ from tokenmill.sample.sampler import Sampler, SamplingMeta, _argmax
 from tokenmill.sample.truncation import sample_inverse_cdf
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: SamplingMeta) -> list[int]:
-    """logits [len(drafts) + 1, vocab] float32 (read only) -> the accepted drafts and one token more."""
+def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: SamplingMeta,
+           relaxed: tuple[int, float] | None = None) -> list[int]:
+    """logits [len(drafts) + 1, vocab] float32 (read only) -> the accepted drafts and one token more.
+    relaxed (top_n, delta): greedy rows also accept a draft among the target's top_n whose probability is
+    within delta of the best (LOSSY: the output is no longer exactly greedy)."""
     logits = _min_tokens_masked(logits, meta)
     if meta.params.greedy:
         target = _argmax(logits).tolist()
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+        while accepted < len(drafts) and (drafts[accepted] == target[accepted] or
+                                          (relaxed is not None and _close_enough(logits[accepted], drafts[accepted],
+                                                                                 *relaxed))):
             accepted += 1
         return drafts[:accepted] + [target[accepted]]
     probs = Sampler.target_probs(logits.float().clone(), [meta] * logits.shape[0])      # [k + 1, vocab]
@@ -42,6 +49,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
             continue
         return drafts[:i] + [_draw(sampler, row, meta)]
     return drafts + [_draw(sampler, probs[-1], meta)]
+
+
+def _close_enough(row: torch.Tensor, draft: int, top_n: int, delta: float) -> bool:
+    probs = torch.softmax(row.float(), dim=-1)
+    top = torch.topk(probs, min(top_n, probs.numel()))
+    return draft in top.indices.tolist() and float(probs[draft]) >= float(top.values[0]) - delta
 
 
 def _min_tokens_masked(logits: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:

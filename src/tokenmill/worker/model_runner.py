@@ -40,6 +40,8 @@ class ModelRunner:
             self.greedy_head = platform.greedy_head(head)
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        spec = config.speculative                      # relaxed acceptance (lossy): (top_n, delta), else None
+        self.relaxed = (spec.relaxed_top_n, spec.relaxed_delta) if spec and spec.acceptance == "relaxed" else None
 
     @staticmethod
     def _build_model(config: EngineConfig, weights, platform: Platform):
@@ -157,7 +159,7 @@ class ModelRunner:
                 plain.append((sr, meta, row))
             else:
                 drafts = list(sr.token_ids[sr.num_new_tokens - sr.num_draft_tokens:])
-                sampled[sr.request_id] = verify(self.sampler, logits[row:row + n], drafts, meta)
+                sampled[sr.request_id] = verify(self.sampler, logits[row:row + n], drafts, meta, self.relaxed)
             row += n
         logprobs = {}
         if plain:
