@@ -11,15 +11,15 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
-from tokenmill.worker.kv_memory import kv_memory_request, num_kv_blocks, weight_bytes
+from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.quantize import load_and_quantize
 from tokenmill.models.registry import get_model_class
-from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.platforms import Platform, building
 from tokenmill.sample.rejection import verify
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
 from tokenmill.worker.input_batch import StepInputs, build_step_inputs
+from tokenmill.worker.kv_memory import kv_memory_request, num_kv_blocks, weight_bytes
 
 
 class ModelRunner:
