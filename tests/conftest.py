@@ -13,6 +13,17 @@ import torch
 
 DEFAULT_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+# per architecture, on top of DEFAULT_TINY (DeepSeek-V3: its HF tester's kind of shapes: a latent of 16,
+# 8 routed experts in 4 groups, one shared expert, the first layer dense)
+ARCH_TINY = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                      head_dim=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                        routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_interleave=True),
+}
 
 
 @pytest.fixture(scope="session")
@@ -38,19 +49,24 @@ def _stand_in_tokenizer(vocab_size: int = 49152):
 
 
 def build_tiny_model(out_dir: str, tokenizer, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """A random tiny model of `arch` (llama | qwen2 | mistral) saved as a HF directory."""
+    """A random tiny model of `arch` (llama | qwen2 | mistral | mixtral | qwen3_moe | deepseek_v3) saved as a
+    HF directory."""
     import transformers
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
-    kwargs = dict(DEFAULT_TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[arch]
+    kwargs = dict(DEFAULT_TINY, **ARCH_TINY.get(arch, {}), vocab_size=len(tokenizer),
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.eos_token_id)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**kwargs)).float().eval()
     with torch.no_grad():  # larger weights than the init default, so differences are not hidden by tiny logits
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:                      # matrices, and MoE experts stacked [E, out, in]
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.05)

@@ -12,6 +12,52 @@ import torch
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (layers/moe/): which layers have them and how tokens are routed."""
+    num_experts: int                 # routed experts per MoE layer
+    top_k: int                       # experts per token
+    expert_intermediate_size: int    # each routed expert's SwiGLU width
+    sparse_layers: tuple[int, ...]   # layer indices whose MLP is MoE (the others are dense)
+    scoring: str = "softmax"         # "softmax" (Mixtral, Qwen3-MoE) | "sigmoid" (DeepSeek-V3)
+    renormalize: bool = True         # the k chosen weights are divided by their sum
+    num_groups: int = 1              # DeepSeek-V3 grouped top-k: experts in n_group groups,
+    topk_groups: int = 1             # tokens choose among the best topk_group groups only
+    routed_scaling_factor: float = 1.0   # routed experts' weights times this
+    num_shared_experts: int = 0      # DeepSeek: one always-on MLP of num_shared x expert width
+    correction_bias: bool = False    # DeepSeek-V3: e_score_correction_bias biases the choice, not the weights
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if not 1 <= self.top_k <= self.num_experts or self.num_experts % self.num_groups \
+                or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"MoE routing: need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts}), "
+                             f"num_experts divisible by n_group ({self.num_groups}) and 1 <= topk_group "
+                             f"({self.topk_groups}) <= n_group")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: the cache holds one latent per token (kv_lora_rank values
+    plus the shared rope key, qk_rope_head_dim values) instead of K and V per head."""
+    q_lora_rank: int | None          # None: q_proj is one matrix (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True     # rope dims stored as interleaved pairs (HF rope_interleave)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str            # e.g. "LlamaForCausalLM": the model registry key
     vocab_size: int
@@ -30,6 +76,10 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype = torch.float32
+    moe: MoEConfig | None = None     # None: every MLP is dense
+    mla: MLAConfig | None = None     # None: grouped-query attention with K/V heads
+    qk_norm: bool = False            # RMSNorm on each q and k head before rotary (Qwen3)
+    num_mtp_layers: int = 0          # DeepSeek's multi-token-prediction layers after the main ones
 
     @classmethod
     def from_hf(cls, hf_config, dtype: torch.dtype = torch.float32) -> "ModelConfig":
@@ -56,6 +106,11 @@ class ModelConfig:
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=_as_tuple(getattr(hf_config, "eos_token_id", None)),
             dtype=dtype,
+            moe=_moe_config(hf_config, archs[0]),
+            mla=_mla_config(hf_config),
+            qk_norm=archs[0].startswith("Qwen3"),
+            num_mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+            if archs[0].startswith("DeepseekV3") else 0,
         )
 
     @property
@@ -68,12 +123,48 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in bytes."""
-        return 2 * self.num_layers * self.kv_size * torch.finfo(self.dtype).bits // 8
+        """The KV cache of every layer for one token, in bytes: K and V per kv head, or MLA's latent."""
+        per_layer = self.mla.latent_dim if self.mla is not None else 2 * self.kv_size
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+    def kv_bytes_per_token_all_ranks(self, tensor_parallel_size: int) -> int:
+        """The cache bytes one token takes summed over the tensor-parallel ranks: K/V heads are split
+        across them, MLA's latent is whole on every rank."""
+        return self.kv_bytes_per_token * (tensor_parallel_size if self.mla is not None else 1)
+
+
+def _moe_config(hf, architecture: str) -> MoEConfig | None:
+    """The HF config's MoE fields by family (Mixtral, Qwen3-MoE, DeepSeek-V3), or None for dense models."""
+    n_layers = hf.num_hidden_layers
+    if architecture.startswith("Mixtral"):
+        return MoEConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, tuple(range(n_layers)))
+    if architecture.startswith("Qwen3Moe"):
+        skip, step = set(getattr(hf, "mlp_only_layers", None) or ()), getattr(hf, "decoder_sparse_step", 1) or 1
+        layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
+        return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, layers,
+                         renormalize=bool(getattr(hf, "norm_topk_prob", False)))
+    if architecture.startswith("DeepseekV3"):
+        first_moe = getattr(hf, "first_k_dense_replace", 0) or 0
+        return MoEConfig(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                         tuple(range(first_moe, n_layers)), scoring="sigmoid",
+                         renormalize=bool(getattr(hf, "norm_topk_prob", True)),
+                         num_groups=getattr(hf, "n_group", 1) or 1, topk_groups=getattr(hf, "topk_group", 1) or 1,
+                         routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0)),
+                         num_shared_experts=getattr(hf, "n_shared_experts", 0) or 0, correction_bias=True)
+    return None
+
+
+def _mla_config(hf) -> MLAConfig | None:
+    if getattr(hf, "kv_lora_rank", None) is None:
+        return None
+    return MLAConfig(getattr(hf, "q_lora_rank", None), hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim,
+                     hf.v_head_dim, bool(getattr(hf, "rope_interleave", True)))
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    known = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    known = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "deepseek_v3": "DeepseekV3ForCausalLM"}
     if model_type not in known:
         raise ValueError(f"model config has no 'architectures' and model_type {model_type!r} is not one of "
                          f"{sorted(known)}")
@@ -203,6 +294,8 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"   # "uni" (in process) | "mp" (a worker process per rank)
     replicas_sharing_host: int = 1           # engine replicas on this machine (their CPU KV budgets split)
     ray_address: str | None = None           # ray: the cluster to join ("auto", "ip:port"); None: start one here
+    enable_expert_parallel: bool = False     # MoE: whole experts split over the tensor-parallel ranks,
+                                             # tokens moved by all-to-all (else each expert split across them)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -271,11 +364,12 @@ class EngineArgs:
     distributed_executor_backend: str | None = None   # "uni" | "mp" | "ray"; None: "mp" when tensor parallel
     ray_address: str | None = None           # ray: an existing cluster ("auto", "ip:6379"); None: a local one
     speculative_config: dict | str | None = None   # {"method": "ngram", "num_speculative_tokens": 4, ...}
+    enable_expert_parallel: bool = False     # MoE experts sharded over the tensor-parallel ranks (all-to-all)
 
     def parallel_config(self) -> ParallelConfig:
         backend = self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1 else "uni")
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, backend,
-                              ray_address=self.ray_address)
+                              ray_address=self.ray_address, enable_expert_parallel=self.enable_expert_parallel)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +419,9 @@ class EngineArgs:
                             "actors placed by a cluster (default: mp when tensor parallel)")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: whole experts split over the tensor-parallel ranks, tokens dispatched "
+                            "and combined by all-to-all (default: every expert split across the ranks)")
         g.add_argument("--ray-address", default=None,
                        help="ray: the cluster to join (auto, or ip:port of `ray start --head`); default: a local one")
         g.add_argument("--cuda-graph-max-batch", type=int, default=256,

@@ -57,8 +57,12 @@ class RunnerOutput:
     # request id -> why its part of the step failed (an exception traced to it alone, or a sampled id outside
     # the vocabulary); such a request gets no tokens and the scheduler finishes it with FinishReason.ERROR
     failed: dict[str, str] = field(default_factory=dict)
+    # MoE models: (token, expert) pairs routed to each expert index in this step, summed over layers
+    expert_tokens: list[int] | None = None
 
     def merge(self, other: "RunnerOutput") -> "RunnerOutput":
         """The outputs of two disjoint parts of one step, as one."""
+        a, b = self.expert_tokens, other.expert_tokens
+        experts = a or b if a is None or b is None else [x + y for x, y in zip(a, b)]
         return RunnerOutput({**self.sampled_token_ids, **other.sampled_token_ids},
-                            {**self.logprobs, **other.logprobs}, {**self.failed, **other.failed})
+                            {**self.logprobs, **other.logprobs}, {**self.failed, **other.failed}, experts)

@@ -40,7 +40,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
 
 
 def destroy_tensor_parallel() -> None:
-    global _TP
+    global _TP, _EP
+    _EP = ExpertParallelGroup(0, 1)
     if _TP.size > 1:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -58,3 +59,28 @@ def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class ExpertParallelGroup:
+    """The ranks MoE layers split their experts over: the tensor-parallel group's ranks when expert
+    parallelism is on (attention stays tensor-parallel across them), else a group of one."""
+    rank: int
+    size: int
+    group: object | None = None
+
+
+_EP = ExpertParallelGroup(0, 1)
+
+
+def expert_parallel() -> ExpertParallelGroup:
+    return _EP
+
+
+def set_expert_parallel(enabled: bool) -> ExpertParallelGroup:
+    """After init_tensor_parallel: MoE layers built from now on shard experts over its ranks (enabled) or
+    split every expert's intermediate dimension across them (not)."""
+    global _EP
+    tp = _TP
+    _EP = ExpertParallelGroup(tp.rank, tp.size, tp.group) if enabled and tp.size > 1 else ExpertParallelGroup(0, 1)
+    return _EP

@@ -53,6 +53,16 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_failed_requests_total: int = 0  # requests the engine ended with an error (FinishReason.ERROR)
     spec_decode: SpecDecodeStats | None = None   # speculative decoding counters (None: speculation off)
+    expert_tokens: list[int] | None = None       # MoE: (token, expert) pairs per expert since start, all layers
+    kv_bytes_per_token: int = 0                  # the cache's bytes per token, all ranks (MLA: the latent)
+    block_size: int = 0                          # tokens per KV block
+
+
+def add_counts(total: list[int] | None, more: list[int] | None) -> list[int] | None:
+    """Element-wise sum of two count lists, either of which may be None (nothing counted)."""
+    if total is None or more is None:
+        return list(more) if total is None and more is not None else total
+    return [a + b for a, b in zip(total, more)]
 
 
 class EngineCore:
@@ -71,6 +81,7 @@ class EngineCore:
             raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
+        self.expert_tokens: list[int] | None = None    # MoE models: summed RunnerOutput.expert_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
         spec = config.speculative
@@ -104,6 +115,8 @@ class EngineCore:
             self.executor.execute(sched_out)           # still hands over the finished ids
             return []
         runner_out = self._execute_isolated(sched_out)
+        if runner_out.expert_tokens is not None:
+            self.expert_tokens = add_counts(self.expert_tokens, runner_out.expert_tokens)
         produced = self.scheduler.update(sched_out, runner_out)
         seconds = time.perf_counter() - t0
         if not runner_out.failed:                      # a bisected step's time describes no normal step
@@ -181,4 +194,8 @@ class EngineCore:
             prefix_cache_queries_total=self.kv.prefix_queries_tokens,
             prefix_cache_hits_total=self.kv.prefix_hits_tokens,
             spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None,
+            expert_tokens=None if self.expert_tokens is None else list(self.expert_tokens),
+            kv_bytes_per_token=self.config.model.kv_bytes_per_token_all_ranks(
+                self.config.parallel.tensor_parallel_size),
+            block_size=self.config.cache.block_size,
         )

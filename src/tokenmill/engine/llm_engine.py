@@ -104,7 +104,8 @@ class LLMEngine:
 
     def _log_startup(self) -> None:
         c = self.config
-        kv_bytes = c.cache.num_blocks * c.cache.block_size * c.model.kv_bytes_per_token
+        kv_bytes = c.cache.num_blocks * c.cache.block_size * c.model.kv_bytes_per_token_all_ranks(
+            c.parallel.tensor_parallel_size)
         logger.info("tokenmill: %s (%s) on %s, %s, %d KV blocks x %d tokens = %.0f MiB, prefix caching %s, "
                     "start-up %.1f s", c.model.architecture, self.model_path, self.platform.describe(),
                     str(c.model.dtype).removeprefix("torch."), c.cache.num_blocks,

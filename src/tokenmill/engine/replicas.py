@@ -22,7 +22,7 @@ import torch
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.spec_stats import SpecDecodeStats
 from tokenmill.distributed.dp_router import ReplicaLoad, Router
-from tokenmill.engine.engine_core import CoreUpdate, EngineStats
+from tokenmill.engine.engine_core import CoreUpdate, EngineStats, add_counts
 from tokenmill.engine.replica_links import DEAD, PipeLink, RayLink
 from tokenmill.executor.base import ExecutorFailed
 
@@ -244,6 +244,8 @@ class ReplicatedCore:
             for name in ("num_running", "num_waiting", "num_total_blocks", "num_used_blocks",
                          "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.expert_tokens = add_counts(total.expert_tokens, s.expert_tokens)
+            total.kv_bytes_per_token, total.block_size = s.kv_bytes_per_token, s.block_size     # the same model
             if s.spec_decode is not None:
                 total.spec_decode = total.spec_decode or SpecDecodeStats()
                 d = s.spec_decode

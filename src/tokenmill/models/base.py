@@ -55,9 +55,14 @@ class DenseDecoder:
 class CausalLM(nn.Module):
     """A decoder-only language model as the runner drives it. Built inside platforms.building(...)."""
 
+    # Whether a decode step's forward is free of host syncs and host-built metadata beyond what
+    # worker/cuda_graphs.py keeps static (MoE's grouped experts and MLA's latent attention are not).
+    supports_cuda_graphs = True
+
     def attention_layers(self) -> list[nn.Module]:
-        """The modules the runner binds a KV cache to (k_cache, v_cache [kv_heads, slots, head_dim]) and
-        an attention backend (`backend`), in layer order."""
+        """The modules the runner binds a KV cache and a backend to, in layer order: each has cache_spec()
+        (layers/attention/base.py KVCacheSpec: the tensors it caches per token, set on it by name) and
+        `backend` (an attention backend of the spec's kind)."""
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
@@ -78,4 +83,12 @@ class CausalLM(nn.Module):
 
     def dense_decoder(self) -> DenseDecoder | None:
         """This model as a DenseDecoder when it is one (fused decode programs then apply), else None."""
+        return None
+
+    def finish_loading(self, platform) -> None:
+        """Once, after the weights are loaded and quantized: choose kernels that need the final weights
+        (MoE models: platforms' moe_kernel)."""
+
+    def expert_token_counts(self) -> list[int] | None:
+        """Tokens routed to each expert, summed over MoE layers since start (load balance); None: dense."""
         return None

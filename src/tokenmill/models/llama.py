@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention.base import KVCacheSpec, kv_heads_spec
 from tokenmill.layers.embedding import VocabParallelEmbedding, gather_logits
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -32,11 +33,18 @@ class LlamaAttention(nn.Module):
                                      bias=cfg.attention_bias, dtype=cfg.dtype,
                                      shard_runs={"q": q_run, "k": kv_run, "v": kv_run})
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, dtype=cfg.dtype, cols=q_run)
+        if cfg.qk_norm:                                # Qwen3: RMSNorm over each head's head_dim
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
+        self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
         self.backend: AttentionBackend | None = None   # bound by the model runner
         self.k_cache: torch.Tensor | None = None       # [num_kv_heads, num_slots, head_dim]
         self.v_cache: torch.Tensor | None = None
+
+    def cache_spec(self) -> KVCacheSpec:
+        return kv_heads_spec(self.num_kv_heads, self.head_dim)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 meta: AttentionMetadata, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,6 +54,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = self.rotary(rope, q, k)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         if keep_rows is not None:
@@ -56,7 +67,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        size = cfg.intermediate_size                   # MoE models' dense layers too
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, dtype=cfg.dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype)
         self.silu_and_mul = op_kernels().silu_and_mul
@@ -66,10 +77,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, mlp: nn.Module, attention: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = attention                     # LlamaAttention, or DeepSeek's MLAttention
+        self.mlp = mlp                                 # LlamaMLP, or an MoE block (models/mixtral.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
@@ -89,11 +100,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, make_mlp, make_attention=LlamaAttention,
+                 rotary: RotaryEmbedding | None = None) -> None:
+        """make_mlp(cfg, layer index) -> the layer's MLP; make_attention(cfg, rotary) -> its attention;
+        rotary: the positions' embedding (default: over head_dim, as Llama)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.rotary = rotary or RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                                cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, make_mlp(cfg, i), make_attention(cfg, self.rotary))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,10 +136,14 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.make_mlp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)   # vocab runs
         if cfg.tie_word_embeddings:   # one tensor, two uses; loaded as model.embed_tokens.weight
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return LlamaMLP(cfg)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -131,8 +151,10 @@ class LlamaForCausalLM(CausalLM):
     def greedy_head_linear(self) -> Linear:
         return self.lm_head
 
-    def dense_decoder(self) -> DenseDecoder:
+    def dense_decoder(self) -> DenseDecoder | None:
         m = self.model
+        if self.config.qk_norm or not all(isinstance(layer.mlp, LlamaMLP) for layer in m.layers):
+            return None
         layers = tuple(DenseDecoderLayer(layer.input_layernorm, layer.post_attention_layernorm,
                                          layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                          layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn)

@@ -7,6 +7,9 @@ _MODELS = {
     "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
+    "MixtralForCausalLM": ("tokenmill.models.moe_llama", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenmill.models.moe_llama", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("tokenmill.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

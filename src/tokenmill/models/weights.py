@@ -14,12 +14,15 @@ from tokenmill.loaders.lazy import read_part
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                        stacked: dict[str, list[tuple[str, str]]], ignored_suffixes=(), skip=()) -> None:
+    """skip: checkpoint names to pass over (a collection, or a predicate name -> bool: e.g. experts another
+    expert-parallel rank holds)."""
+    skipped = skip if callable(skip) else skip.__contains__
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     expected = _expected_pieces(params, modules, stacked)
     loaded: set[tuple[str, str | None]] = set()
     for name, tensor in weights:
-        if name in skip or name.endswith(tuple(ignored_suffixes)):
+        if skipped(name) or name.endswith(tuple(ignored_suffixes)):
             continue
         param_name, shard = _resolve(name, stacked)
         if param_name not in params:

@@ -72,6 +72,14 @@ class Platform:
         the model's forward's result, from the step's host tensors."""
         return None
 
+    def mla_backend_name(self) -> str:
+        """layers/attention/mla.py's backend for latent-cache attention here."""
+        return "torch"
+
+    def moe_kernel(self, moe) -> str:
+        """The layers/moe/kernels.py kernel a loaded, quantized FusedMoE runs here."""
+        return "grouped_linears"
+
     def greedy_head(self, lm_head):
         """Greedy tokens without the float logits (layers/greedy_head.py), or None."""
         return None

@@ -24,7 +24,7 @@ class CUDAPlatform(Platform):
     def fused_decode(self, model, config, num_blocks: int):
         """The decode steps as CUDA graphs (worker/cuda_graphs.py), unless enforce_eager; they need the
         Triton backend, whose decode kernel reads only device tensors."""
-        if config.enforce_eager or config.attention_backend != "triton":
+        if config.enforce_eager or config.attention_backend != "triton" or not model.supports_cuda_graphs:
             return None
         from tokenmill.worker.cuda_graphs import CUDAGraphDecode
         block_size, sc = config.cache.block_size, config.scheduler
@@ -32,6 +32,13 @@ class CUDAPlatform(Platform):
                                  scratch_block=num_blocks, max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch))
         graphs.capture()
         return graphs
+
+    def moe_kernel(self, moe) -> str:
+        """Float experts: the Triton grouped GEMM (one launch per projection); quantized ones run their
+        methods' Triton kernels expert by expert."""
+        layers = [layer for e in moe.local_experts() for layer in (e.gate_up_proj, e.down_proj)]
+        return "triton" if all(layer.quant_method.is_float and not layer.has_bias for layer in layers) \
+            else "grouped_linears"
 
     def kv_cache_bytes(self, request: KVMemoryRequest) -> int:
         """utilization x the device's memory, less what is in use now (this engine's weights, and anything

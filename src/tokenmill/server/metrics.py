@@ -120,7 +120,37 @@ class EngineStatsCollector(Collector):
             yield c
         yield from self._per_replica()
         yield from self._spec_decode(stats.spec_decode)
+        yield from self._cache_size(stats)
+        yield from self._expert_load(stats.expert_tokens)
         yield from self._step_time_model()
+
+    def _cache_size(self, stats):
+        """The KV cache's real size: bytes per token (K/V heads, or MLA's latent; summed over ranks) and
+        tokens it holds (blocks x block size, all replicas)."""
+        for name, value, doc in (("kv_cache_bytes_per_token", stats.kv_bytes_per_token,
+                                  "Bytes the KV cache takes per token (all layers and ranks)"),
+                                 ("kv_cache_capacity_tokens", stats.num_total_blocks * stats.block_size,
+                                  "Tokens the KV cache holds (blocks x block size)")):
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(value))
+            yield g
+
+    def _expert_load(self, counts):
+        """MoE load balance: (token, expert) pairs per expert index, summed over layers, and the busiest
+        expert's share relative to a perfect balance (1.0 = even; absent for dense models)."""
+        if counts is None:
+            return
+        c = CounterMetricFamily(self.prefix + "moe_expert_tokens", "Tokens routed to each expert (all MoE layers)",
+                                labels=["model_name", "expert"])
+        for expert, value in enumerate(counts):
+            c.add_metric([self.model_name, str(expert)], float(value))
+        yield c
+        g = GaugeMetricFamily(self.prefix + "moe_expert_load_imbalance",
+                              "Most tokens routed to one expert over the mean per expert (1 = balanced)",
+                              labels=["model_name"])
+        mean = sum(counts) / len(counts) if counts else 0.0
+        g.add_metric([self.model_name], max(counts) / mean if mean else 1.0)
+        yield g
 
     def _spec_decode(self, spec):
         """Speculative decoding counters, vLLM's spec_decode_* names (absent with speculation off)."""

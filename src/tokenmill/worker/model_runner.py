@@ -32,7 +32,6 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = self._build_model(config, weights, platform)
         self.backend = get_backend(platform.attention_backend_name(config.attention_backend))
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.fused_decode = None           # runs whole decode steps where the platform has a program for them
         self.greedy_head = None            # greedy steps' tokens without the float32 logits, where it applies
         head = self.model.greedy_head_linear()
@@ -40,6 +39,7 @@ class ModelRunner:
             self.greedy_head = platform.greedy_head(head)
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.expert_tokens_seen = self.model.expert_token_counts()     # MoE: counts already reported
         spec = config.speculative                      # relaxed acceptance (lossy): (top_n, delta), else None
         self.relaxed = (spec.relaxed_top_n, spec.relaxed_delta) if spec and spec.acceptance == "relaxed" else None
 
@@ -51,6 +51,7 @@ class ModelRunner:
             with building(platform, config.model.dtype):
                 model = get_model_class(config.model.architecture)(config.model)
             load_and_quantize(model, weights, method, config.model_path)
+            model.finish_loading(platform)
         except torch.OutOfMemoryError as e:
             raise MemoryError(f"{platform.device} ran out of memory loading the weights: the model needs about "
                               f"{weight_bytes(config.model) / 2**30:.2f} GiB at {config.model.dtype} before "
@@ -76,28 +77,34 @@ class ModelRunner:
                    list(self.model.parameters()) + list(self.model.buffers()) if t.dim() >= 2)
 
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token on this rank (its kv heads), in bytes."""
-        itemsize = self.config.model.dtype.itemsize
-        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self.model.attention_layers())
+        """What every layer caches for one token on this rank (its kv heads, or MLA's latent), in bytes."""
+        dtype = self.config.model.dtype
+        return sum(a.cache_spec().bytes_per_token(dtype) for a in self.model.attention_layers())
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's K and V pools [num_kv_heads, num_blocks * block_size, head_dim] and bind
-        them and the attention backend to the layers (plus the platform's scratch blocks past num_blocks);
-        then build the platform's fused decode program."""
+        """Allocate every layer's cache tensors as its KVCacheSpec names them ([heads, num_blocks *
+        block_size, width], plus the platform's scratch blocks past num_blocks), set them and a backend
+        of the spec's kind on the layer; then build the platform's fused decode program."""
         dtype, slots = self.config.model.dtype, (num_blocks + self.platform.scratch_blocks) * self.block_size
-        self.kv_caches = []
         try:
             for layer in self.model.attention_layers():
-                shape = (layer.num_kv_heads, slots, layer.head_dim)          # this rank's kv heads
-                k, v = self.platform.allocate(shape, dtype), self.platform.allocate(shape, dtype)
-                layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
-                self.kv_caches.append((k, v))
+                spec = layer.cache_spec()
+                for name, shape in spec.shapes(slots):
+                    setattr(layer, name, self.platform.allocate(shape, dtype))
+                layer.backend = self._backend(spec.kind)
         except torch.OutOfMemoryError:
             need = self.kv_bytes_per_token() * slots
             raise MemoryError(f"{self.platform.device} ran out of memory allocating the KV cache "
                               f"({need / 2**30:.2f} GiB for {num_blocks} blocks of {self.block_size} tokens). "
                               "Lower --gpu-memory-utilization or set --kv-cache-memory-bytes") from None
         self.fused_decode = self.platform.fused_decode(self.model, self.config, num_blocks)
+
+    def _backend(self, kind: str):
+        """The backend of a cache spec's kind: the configured attention backend, or the MLA one."""
+        if kind == "attention":
+            return self.backend
+        from tokenmill.layers.attention.mla import get_mla_backend
+        return get_mla_backend(self.platform.mla_backend_name())
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
@@ -109,10 +116,15 @@ class ModelRunner:
             return RunnerOutput({})
         saved = self._save_generators(sched_out)
         try:
-            return self._check_vocab(self._execute(sched_out))
+            out = self._check_vocab(self._execute(sched_out))
         except BaseException:
             self._restore_generators(saved)
             raise
+        if self.expert_tokens_seen is not None:
+            counts = self.model.expert_token_counts()
+            out.expert_tokens = [now - before for now, before in zip(counts, self.expert_tokens_seen)]
+            self.expert_tokens_seen = counts
+        return out
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         inputs = build_step_inputs(sched_out, self.block_size)             # on the host

@@ -71,7 +71,7 @@ def worker_main(spec: WorkerSpec, config, conn) -> None:
 
 def _start(spec: WorkerSpec, config):
     import torch
-    from tokenmill.distributed.parallel_state import backend_for, init_tensor_parallel
+    from tokenmill.distributed.parallel_state import backend_for, init_tensor_parallel, set_expert_parallel
     from tokenmill.loaders import open_model_source
     from tokenmill.platforms import resolve_platform
     from tokenmill.worker.model_runner import ModelRunner
@@ -81,5 +81,6 @@ def _start(spec: WorkerSpec, config):
     if platform.device.type == "cuda":
         torch.cuda.set_device(platform.device)
     init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, backend_for(platform.device))
+    set_expert_parallel(config.parallel.enable_expert_parallel)
     source = open_model_source(config.model_path)
     return ModelRunner(config, source.iter_weights(), platform)

@@ -12,6 +12,31 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer caches per token, as named tensors [heads, num_slots, width] that the model
+    runner allocates and sets on the layer under those names. Every layer shares the block table, so the
+    block manager needs only the sum of their bytes per token."""
+    kind: str                                    # "attention" (K/V per kv head) | "mla" (one latent)
+    tensors: tuple[tuple[str, int, int], ...]    # (attribute name, heads, width)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return sum(heads * width for _, heads, width in self.tensors) * dtype.itemsize
+
+    def shapes(self, num_slots: int) -> list[tuple[str, tuple[int, int, int]]]:
+        return [(name, (heads, num_slots, width)) for name, heads, width in self.tensors]
+
+
+def kv_heads_spec(num_kv_heads: int, head_dim: int) -> KVCacheSpec:
+    """Grouped-query attention: k_cache and v_cache [num_kv_heads, num_slots, head_dim]."""
+    return KVCacheSpec("attention", (("k_cache", num_kv_heads, head_dim), ("v_cache", num_kv_heads, head_dim)))
+
+
+def latent_spec(latent_dim: int) -> KVCacheSpec:
+    """Multi-head latent attention: latent_cache [1, num_slots, kv_lora_rank + qk_rope_head_dim]."""
+    return KVCacheSpec("mla", (("latent_cache", 1, latent_dim),))
+
+
 @dataclass
 class SeqSpan:
     """One request's part of the step's flattened token batch."""
