@@ -105,7 +105,7 @@ class FusedMoE(nn.Module):
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """y [T * k, hidden] (token-major) -> [T, hidden]: each token's k rows weighted and summed."""
     k = weights.shape[1]
-    return (y.view(num_tokens, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+    return (y.view(num_tokens, k, y.shape[-1]) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 def _owner_rank(experts: torch.Tensor, num_experts: int, ranks: int) -> torch.Tensor:
