@@ -77,6 +77,38 @@ def build_tiny_model(out_dir: str, tokenizer, arch: str = "llama", seed: int = 0
     return out_dir
 
 
+def add_mtp_layer(model_dir: str, seed: int = 1) -> None:
+    """Give a tiny DeepSeek-V3 directory one MTP layer, model.layers.{num_hidden_layers}.*, as DeepSeek
+    ships it (transformers saves none): a decoder layer of a deeper random model of the same config (its
+    MoE experts in checkpoint names), random enorm / hnorm / eh_proj / shared_head.norm, and copies of
+    the embedding and head, in a shard of its own."""
+    import json
+    import tempfile
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    with tempfile.TemporaryDirectory() as deeper:
+        torch.manual_seed(seed)
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**cfg, "num_hidden_layers": n + 1}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.normal_(0, 0.08) if p.dim() >= 2 else p.copy_(1 + 0.1 * torch.randn_like(p))
+        model.save_pretrained(deeper)
+        prefix = f"model.layers.{n}."
+        with safe_open(os.path.join(deeper, "model.safetensors"), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        tensors[prefix + "embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
+        tensors[prefix + "shared_head.head.weight"] = f.get_tensor("lm_head.weight")
+    g = torch.Generator().manual_seed(seed)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors[prefix + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.08
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(model_dir, "model-mtp.safetensors"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, default_tokenizer):
     made: dict[tuple, str] = {}

@@ -237,8 +237,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config: a dict {"method": ..., "num_speculative_tokens": k, ...} (or its JSON)."""
-    method: str                              # spec/ PROPOSERS: "ngram"
+    method: str                              # spec/ PROPOSERS: "ngram" | "mtp"
     num_speculative_tokens: int              # k: the most draft tokens per request per step
+    model: str | None = None                 # mtp: a `tokenmill train-mtp` head's directory (None: the
+                                             # checkpoint's own MTP layers)
     prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4               # ngram: the longest
     adaptive: bool = True                    # k per step from acceptance and the step-time model (False: k)

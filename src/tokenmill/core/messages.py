@@ -39,6 +39,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted this step
     # block tables that lost trailing blocks since the previous step (rejected drafts' blocks freed)
     trimmed_request_ids: list[str] = field(default_factory=list)
+    # speculation with a worker-side proposer (spec/drafter.py): drafts to propose per request that samples,
+    # for the next step; each such request's block table has room for that many positions past its tokens
+    num_lookahead_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -59,10 +62,14 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # MoE models: (token, expert) pairs routed to each expert index in this step, summed over layers
     expert_tokens: list[int] | None = None
+    # a worker-side proposer's drafts for the next step: request id -> up to num_lookahead_tokens ids to
+    # follow the tokens sampled now
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def merge(self, other: "RunnerOutput") -> "RunnerOutput":
         """The outputs of two disjoint parts of one step, as one."""
         a, b = self.expert_tokens, other.expert_tokens
         experts = a or b if a is None or b is None else [x + y for x, y in zip(a, b)]
         return RunnerOutput({**self.sampled_token_ids, **other.sampled_token_ids},
-                            {**self.logprobs, **other.logprobs}, {**self.failed, **other.failed}, experts)
+                            {**self.logprobs, **other.logprobs}, {**self.failed, **other.failed}, experts,
+                            {**self.draft_token_ids, **other.draft_token_ids})

@@ -37,6 +37,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.spec_stats = SpecDecodeStats()
         self.trimmed_since_last_step: list[str] = []
+        # worker-side drafting: every request that samples gets slots for this many positions past its
+        # new tokens (the drafter writes its own cache there while chaining drafts)
+        self.num_lookahead_tokens = 0
 
     # ---- admission and removal -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -88,7 +91,8 @@ class Scheduler:
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
-        out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step)
+        out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step,
+                              self.num_lookahead_tokens)
         self.finished_since_last_step, self.trimmed_since_last_step = [], []
         return out
 
@@ -106,7 +110,7 @@ class Scheduler:
                 pending.pop(0)
                 continue
             start = request.num_computed_tokens
-            while self.kv.allocate_slots(request, num_new) is None:
+            while self._allocate(request, start, num_new) is None:
                 victim = self.policy.pick_victim(pending)      # never one already scheduled
                 pending.remove(victim)
                 self._preempt(victim, preempted)
@@ -135,7 +139,7 @@ class Scheduler:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = self._chunk(request, num_hit_tokens, budget)
-            if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
+            if num_new == 0 or self._allocate(request, num_hit_tokens, num_new, hits) is None:
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
@@ -146,6 +150,17 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             scheduled.append(self._scheduled(request, num_new))
+
+    def _allocate(self, request: Request, start: int, num_new: int, hits=None):
+        """Slots for the new tokens, plus lookahead slots for a worker-side drafter when the request samples
+        this step (as many as it may draft, within its context window) where the pool has them: a drafter
+        chains only as far as the block table reaches, so lookahead never costs a preemption."""
+        lookahead = 0
+        if self.num_lookahead_tokens and start + num_new >= request.num_tokens:
+            lookahead = max(0, min(self.num_lookahead_tokens, request.max_model_len - start - num_new))
+        if lookahead and self.kv.allocate_slots(request, num_new + lookahead, hits) is not None:
+            return True
+        return self.kv.allocate_slots(request, num_new, hits)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         """num_new tokens from its computed ones: its own, then (a decode with drafts) as many drafts as

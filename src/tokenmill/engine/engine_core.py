@@ -86,6 +86,8 @@ class EngineCore:
                                    self.step_model)
         spec = config.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
+        if self.proposer is not None and self.proposer.on_worker:     # drafts for the first steps
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens) if spec is not None and spec.adaptive \
             else None                                  # None: always k
 
@@ -122,14 +124,15 @@ class EngineCore:
         if not runner_out.failed:                      # a bisected step's time describes no normal step
             self.step_model.observe(step_features(sched_out), seconds)
         if self.proposer is not None:
-            self._propose(sched_out, seconds, produced)
+            self._propose(sched_out, seconds, produced, runner_out.draft_token_ids)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
 
-    def _propose(self, sched_out: SchedulerOutput, seconds: float, produced) -> None:
+    def _propose(self, sched_out: SchedulerOutput, seconds: float, produced, worker_drafts) -> None:
         """Drafts for every running request whose next step is a decode (speculation_applies), at most k
         and no more than its max_tokens and the context leave room for. Adaptive: k for the next step from
-        this one's outcome (spec/adaptive.py)."""
+        this one's outcome (spec/adaptive.py). A worker-side proposer's drafts came with the step
+        (`worker_drafts`); it is told k through the scheduler's lookahead."""
         k = self.config.speculative.num_speculative_tokens
         for rid in sched_out.finished_request_ids:
             self.proposer.drop(rid)
@@ -143,7 +146,12 @@ class EngineCore:
                     or not speculation_applies(request.sampling_params, request.num_output_tokens):
                 request.spec_token_ids = []
                 continue
-            request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+            if self.proposer.on_worker:
+                request.spec_token_ids = worker_drafts.get(request.request_id, [])[:room]
+            else:
+                request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+        if self.proposer.on_worker:
+            self.scheduler.num_lookahead_tokens = k
 
     def _observe_speculation(self, sched_out: SchedulerOutput, seconds: float, produced) -> None:
         """Feed the adaptive draft length: per request the accepted drafts; per step, when every request in

@@ -47,6 +47,7 @@ class StepDelta:
     scheduled: list[ScheduledDelta]                       # in the SchedulerOutput's order
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_lookahead_tokens: int = 0
 
 
 class DeltaEncoder:
@@ -82,7 +83,8 @@ class DeltaEncoder:
                     deltas.append(ScheduledDelta(sr.request_id, sr.start_position, sr.num_new_tokens, sr.sample,
                                                  appended, blocks, None, drafts))
             self.sent[sr.request_id] = (num_tokens, len(sr.block_ids))
-        return StepDelta(deltas, list(out.finished_request_ids), list(out.preempted_request_ids))
+        return StepDelta(deltas, list(out.finished_request_ids), list(out.preempted_request_ids),
+                         out.num_lookahead_tokens)
 
 
 @dataclass
@@ -118,7 +120,8 @@ class DeltaDecoder:
                 d.request_id, own + drafts if drafts else own, start, k.block_ids, d.sample, k.params,
                 ListView(k.tokens, 0, k.num_prompt_tokens), ListView(k.tokens, k.num_prompt_tokens, None),
                 k.eos_token_ids, len(drafts)))
-        return SchedulerOutput(scheduled, list(msg.finished_request_ids), list(msg.preempted_request_ids))
+        return SchedulerOutput(scheduled, list(msg.finished_request_ids), list(msg.preempted_request_ids),
+                               num_lookahead_tokens=msg.num_lookahead_tokens)
 
 
 class ListView(Sequence):

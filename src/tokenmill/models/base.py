@@ -89,6 +89,10 @@ class CausalLM(nn.Module):
         """Once, after the weights are loaded and quantized: choose kernels that need the final weights
         (MoE models: platforms' moe_kernel)."""
 
+    def other_ranks_expert(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is an expert another expert-parallel rank holds (MoE models)."""
+        return False
+
     def expert_token_counts(self) -> list[int] | None:
         """Tokens routed to each expert, summed over MoE layers since start (load balance); None: dense."""
         return None

@@ -105,6 +105,7 @@ class LlamaModel(nn.Module):
         """make_mlp(cfg, layer index) -> the layer's MLP; make_attention(cfg, rotary) -> its attention;
         rotary: the positions' embedding (default: over head_dim, as Llama)."""
         super().__init__()
+        self.make_attention = make_attention
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.rotary = rotary or RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                                 cfg.rope_scaling)

@@ -11,7 +11,8 @@ import importlib
 
 from tokenmill.spec.base import Proposer
 
-PROPOSERS = {"ngram": "tokenmill.spec.ngram:NgramProposer"}    # method -> module:class, imported lazily
+PROPOSERS = {"ngram": "tokenmill.spec.ngram:NgramProposer",     # method -> module:class, imported lazily
+             "mtp": "tokenmill.spec.mtp:MTPProposer"}
 
 
 def make_proposer(config) -> Proposer:

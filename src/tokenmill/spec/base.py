@@ -9,6 +9,7 @@ class Proposer:
     with `drop` when the request ends)."""
     name = "base"
     one_hot = True              # drafts are certain guesses (q = one-hot): rejection sampling needs no q
+    on_worker = False           # True: drafts come from the worker with each step (spec/drafter.py)
 
     def __init__(self, config) -> None:
         self.config = config

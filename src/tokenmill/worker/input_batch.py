@@ -38,20 +38,16 @@ class StepInputs:
 def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs:
     ids: list[int] = []
     positions: list[int] = []
-    rows: list[tuple[int, int, int]] = []        # (first row, new tokens, context length) per request
-    tables: list[list[int]] = []                 # each request's blocks holding its context
+    requests: list[tuple[list[int], int, int]] = []   # (block table, start position, new tokens) per request
     sample_rows: list[int] = []
     sample_idx: list[int] = []
-    decode_rows: list[int] = []
-    decode_idx: list[int] = []
     num_rows: list[int] | None = None            # set once some request carries drafts
     for i, sr in enumerate(sched_out.scheduled):
         start, n = sr.start_position, sr.num_new_tokens
         row = len(ids)
         ids.extend(sr.token_ids)
         positions.extend(range(start, start + n))
-        rows.append((row, n, start + n))
-        tables.append(sr.block_ids[:-(-(start + n) // block_size)])
+        requests.append((sr.block_ids, start, n))
         if sr.sample:
             d = sr.num_draft_tokens
             sample_rows.extend(range(row + n - 1 - d, row + n))
@@ -60,9 +56,22 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
                 num_rows = num_rows or [1] * (len(sample_idx) - 1)
             if num_rows is not None:
                 num_rows.append(d + 1)
+    meta = build_attention_metadata(requests, block_size)
+    return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                      torch.tensor(sample_rows, dtype=torch.long), sample_idx, num_rows)
+
+
+def build_attention_metadata(requests: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
+    """(block table, start position, new tokens) of each request, their rows consecutive in this order ->
+    the step's attention metadata (decode and prefill tables included where there are such rows)."""
+    rows, tables, decode_rows, decode_idx, row = [], [], [], [], 0
+    for i, (block_ids, start, n) in enumerate(requests):
+        rows.append((row, n, start + n))
+        tables.append(list(block_ids[:-(-(start + n) // block_size)]))
         if n == 1:
             decode_rows.append(row)
             decode_idx.append(i)
+        row += n
     blocks, slots = _slot_table(tables, block_size)   # [requests, most blocks], [requests, that * block_size]
     spans = [SeqSpan(row, n, ctx, slots[i, :ctx]) for i, (row, n, ctx) in enumerate(rows)]
     if len(decode_rows) == len(spans):           # decodes only: each request's last context slot
@@ -75,8 +84,7 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
         _add_decode_tables(meta, spans, slots, decode_rows, decode_idx)
     if len(decode_rows) < len(spans):
         _add_prefill_tables(meta, spans, slots, [i for i, s in enumerate(spans) if s.query_len > 1])
-    return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                      torch.tensor(sample_rows, dtype=torch.long), sample_idx, num_rows)
+    return meta
 
 
 def _slot_table(tables: list[list[int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from tokenmill.models.registry import get_model_class
 from tokenmill.platforms import Platform, building
 from tokenmill.sample.rejection import verify
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
+from tokenmill.spec.drafter import DRAFTERS, DraftStep, make_drafter
 from tokenmill.worker.input_batch import StepInputs, build_step_inputs
 from tokenmill.worker.kv_memory import kv_memory_request, num_kv_blocks, weight_bytes
 
@@ -40,6 +41,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.expert_tokens_seen = self.model.expert_token_counts()     # MoE: counts already reported
+        self.drafter = None                # a worker-side proposer (spec/drafter.py), with KV layers of its own
+        if config.speculative is not None and config.speculative.method in DRAFTERS:
+            self.drafter = make_drafter(config, self.model, platform)
         spec = config.speculative                      # relaxed acceptance (lossy): (top_n, delta), else None
         self.relaxed = (spec.relaxed_top_n, spec.relaxed_delta) if spec and spec.acceptance == "relaxed" else None
 
@@ -79,7 +83,11 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """What every layer caches for one token on this rank (its kv heads, or MLA's latent), in bytes."""
         dtype = self.config.model.dtype
-        return sum(a.cache_spec().bytes_per_token(dtype) for a in self.model.attention_layers())
+        return sum(a.cache_spec().bytes_per_token(dtype) for a in self.cache_layers())
+
+    def cache_layers(self) -> list:
+        """Every layer with a KV cache: the target's, then a drafter's (one pool, one block table)."""
+        return self.model.attention_layers() + (self.drafter.attention_layers() if self.drafter else [])
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache tensors as its KVCacheSpec names them ([heads, num_blocks *
@@ -87,7 +95,7 @@ class ModelRunner:
         of the spec's kind on the layer; then build the platform's fused decode program."""
         dtype, slots = self.config.model.dtype, (num_blocks + self.platform.scratch_blocks) * self.block_size
         try:
-            for layer in self.model.attention_layers():
+            for layer in self.cache_layers():
                 spec = layer.cache_spec()
                 for name, shape in spec.shapes(slots):
                     setattr(layer, name, self.platform.allocate(shape, dtype))
@@ -116,7 +124,7 @@ class ModelRunner:
             return RunnerOutput({})
         saved = self._save_generators(sched_out)
         try:
-            out = self._check_vocab(self._execute(sched_out))
+            out = self._execute(sched_out)
         except BaseException:
             self._restore_generators(saved)
             raise
@@ -128,13 +136,29 @@ class ModelRunner:
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         inputs = build_step_inputs(sched_out, self.block_size)             # on the host
-        # The last layer computes only the rows that sample (all rows' keys and values are cached anyway).
+        hidden = self._forward(inputs, self._rows_to_keep(inputs))
+        every_row = hidden
+        if self.drafter is not None and inputs.sample_rows.numel() != hidden.shape[0]:
+            hidden = hidden.index_select(0, inputs.sample_rows.to(hidden.device))
+        out = self._check_vocab(self._sample(sched_out, inputs, hidden))
+        if self.drafter is not None:
+            starts = [s.query_start for s in inputs.meta.seqs]
+            out.draft_token_ids = self.drafter.propose(DraftStep(sched_out, starts, every_row, out.sampled_token_ids,
+                                                                 sched_out.num_lookahead_tokens, self.block_size))
+        return out
+
+    def _rows_to_keep(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The rows the last layer computes: those that sample (every row's keys and values are cached
+        anyway); None for all of them (every row samples, or a drafter reads every row's hidden state)."""
         sampled_rows = inputs.sample_rows
-        if sampled_rows.numel() == inputs.input_ids.numel():     # every row samples (decodes): no selection
-            sampled_rows = None
-        elif sampled_rows.numel() == 0:                          # nothing samples: keep one row rather than
-            sampled_rows = inputs.input_ids.new_zeros(1)         # run kernels on zero rows
-        hidden = self._forward(inputs, sampled_rows)
+        if self.drafter is not None or sampled_rows.numel() == inputs.input_ids.numel():
+            return None
+        if sampled_rows.numel() == 0:                            # nothing samples: keep one row rather than
+            return inputs.input_ids.new_zeros(1)                 # run kernels on zero rows
+        return sampled_rows
+
+    def _sample(self, sched_out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> RunnerOutput:
+        """hidden: the rows that sample, in inputs.sample_rows' order -> the step's tokens."""
         if not inputs.sample_request_idx:
             return RunnerOutput({})
         scheduled = [sched_out.scheduled[i] for i in inputs.sample_request_idx]

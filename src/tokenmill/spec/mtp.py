@@ -1,0 +1,154 @@
+"""The `mtp` proposer: multi-token-prediction layers (models/mtp.py) on the worker, fed the target's
+hidden states. From the target's own checkpoint (DeepSeek-V3/R1: model.layers.{num_hidden_layers + i}),
+or from a head `tokenmill train-mtp` wrote (speculative_config "model": its directory).
+
+Per step (spec/drafter.py): for every request, its verified positions p of the step (its own tokens and
+the drafts accepted) go through the layer with t_{p+1} (the next verified token, or the token sampled
+now) and the target's h_p, writing the layer's cache there. For a request that samples, the last row's
+logits give draft 1 (greedy: drafts are one-hot guesses, verified losslessly); drafts 2..k chain the
+layer on its own output at the next positions (the scheduler's lookahead slots)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from tokenmill.layers.moe import moe_blocks
+from tokenmill.models.mtp import SHARED_WITH_TARGET, build_mtp_layer
+from tokenmill.models.weights import load_named_weights
+from tokenmill.sample.rejection import speculation_applies
+from tokenmill.spec.base import Proposer
+from tokenmill.spec.drafter import Drafter, DraftStep
+from tokenmill.worker.input_batch import build_attention_metadata
+
+logger = logging.getLogger("tokenmill")
+HEAD_FILE, HEAD_CONFIG = "mtp.safetensors", "mtp_config.json"
+
+
+class MTPProposer(Proposer):
+    """The host side of `mtp`: drafts come from the worker (MTPDrafter) with each step's output."""
+    name = "mtp"
+    on_worker = True
+
+    def propose(self, request_id, token_ids, k):
+        raise RuntimeError("mtp drafts are made on the worker (RunnerOutput.draft_token_ids)")
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+
+    def __init__(self, config, target, platform) -> None:
+        from tokenmill.layers.quantize import quantize_model
+        from tokenmill.platforms import building
+        self.target = target
+        with building(platform, config.model.dtype):
+            self.layer = build_mtp_layer(target).to(platform.device)
+        load_named_weights(self.layer, mtp_weights(config, target), target.STACKED, target.IGNORED_SUFFIXES,
+                           lambda n: n.endswith(SHARED_WITH_TARGET) or target.other_ranks_expert(n))
+        quantize_model(self.layer, platform.quant_method(config.quantization, config.model.dtype))
+        for moe in moe_blocks(self.layer):
+            moe.set_kernel(platform.moe_kernel(moe))
+        self.layer.eval()
+        self.device = platform.device
+
+    def attention_layers(self) -> list:
+        return [self.layer.self_attn]
+
+    @torch.inference_mode()
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        rows, ids, positions, requests, tails = [], [], [], [], []
+        for sr, row in zip(step.sched_out.scheduled, step.query_starts):
+            nxt = _verified(sr, step.sampled.get(sr.request_id))
+            if nxt is None:
+                continue
+            n = len(nxt)
+            rows.extend(range(row, row + n))
+            ids.extend(nxt)
+            positions.extend(range(sr.start_position, sr.start_position + n))
+            requests.append((sr.block_ids, sr.start_position, n))
+            if sr.request_id in step.sampled and step.k and speculation_applies(
+                    sr.params, len(sr.output_token_ids) + len(step.sampled[sr.request_id])):
+                tails.append((sr, len(ids) - 1, sr.start_position + n - 1))
+        if not rows:
+            return {}
+        hidden = self._run(step, ids, positions, step.hidden.index_select(0, torch.tensor(rows, device=step.hidden.device)),
+                           requests)
+        return self._chain(step, hidden, tails) if tails else {}
+
+    def _run(self, step: DraftStep, ids, positions, prev_hidden, requests) -> torch.Tensor:
+        meta = build_attention_metadata(requests, step.block_size)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        if self.device.type != "cpu":
+            from tokenmill.worker.input_batch import StepInputs
+            moved = StepInputs(ids_t, pos_t, meta, torch.empty(0, dtype=torch.long), []).to(self.device)
+            ids_t, pos_t, meta = moved.input_ids, moved.positions, moved.meta
+        model = self.target.model
+        return self.layer.predict(model.embed_tokens, model.rotary.gather(pos_t), ids_t, pos_t, prev_hidden, meta)
+
+    def _draft(self, hidden: torch.Tensor) -> list[int]:
+        return self.target.compute_logits(self.layer.shared_head.norm(hidden)).argmax(dim=-1).tolist()
+
+    def _chain(self, step: DraftStep, hidden, tails) -> dict[str, list[int]]:
+        """Draft 1 from each tail row; drafts 2..k by running the layer on its own output at the next
+        position, while the request's block table reaches it."""
+        h = hidden.index_select(0, torch.tensor([r for _, r, _ in tails], device=hidden.device))
+        tokens = self._draft(h)
+        drafts = {sr.request_id: [t] for (sr, _, _), t in zip(tails, tokens)}
+        live = [(sr, pos) for sr, _, pos in tails]
+        for j in range(1, step.k):
+            keep = [i for i, (sr, pos) in enumerate(live) if (pos + j) < len(sr.block_ids) * step.block_size]
+            if not keep:
+                break
+            live = [live[i] for i in keep]
+            h = h.index_select(0, torch.tensor(keep, device=h.device))
+            ids = [drafts[sr.request_id][-1] for sr, _ in live]
+            positions = [pos + j for _, pos in live]
+            h = self._run(step, ids, positions, h, [(sr.block_ids, p, 1) for (sr, _), p in zip(live, positions)])
+            for (sr, _), t in zip(live, self._draft(h)):
+                drafts[sr.request_id].append(t)
+        return drafts
+
+
+def _verified(sr, sampled: list[int] | None) -> list[int] | None:
+    """t_{p+1} for each verified position p of the step: its own tokens after the first, then the accepted
+    drafts and the token sampled now (a request that samples); a prefill chunk's own next token otherwise.
+    None when the request's part of the step failed."""
+    d = sr.num_draft_tokens
+    own = list(sr.token_ids[1:sr.num_new_tokens - d])
+    if sr.sample:
+        return None if not sampled else own + list(sampled)
+    end = sr.start_position + sr.num_new_tokens               # the token after the chunk
+    prompt = sr.prompt_token_ids
+    return own + [prompt[end] if end < len(prompt) else sr.output_token_ids[end - len(prompt)]]
+
+
+def mtp_weights(config, target):
+    """(name relative to the MTP layer, tensor): a train-mtp head's file, or the target checkpoint's first
+    MTP layer (model.layers.{num_hidden_layers}.*)."""
+    from tokenmill.loaders import open_model_source
+    path = config.speculative.model
+    if path:
+        return _head_weights(path, config.model.architecture)
+    prefix = f"model.layers.{config.model.num_layers}."
+    weights = [] if config.model.num_mtp_layers < 1 else \
+        [(name[len(prefix):], t) for name, t in open_model_source(config.model_path).iter_weights()
+         if name.startswith(prefix)]                   # lazy tensors: only the MTP layer's are read
+    if not weights:
+        raise ValueError(f"speculative method 'mtp': {config.model_path} has no MTP layers (num_nextn_predict_"
+                         f"layers {config.model.num_mtp_layers}, no {prefix}* tensors); give a head "
+                         "`tokenmill train-mtp` made as speculative_config {\"model\": DIR}")
+    return weights
+
+
+def _head_weights(path: str, architecture: str):
+    from safetensors.torch import load_file
+    meta_path, file = os.path.join(path, HEAD_CONFIG), os.path.join(path, HEAD_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"speculative_config model {path!r}: no {HEAD_FILE} there (made by `tokenmill train-mtp`)")
+    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    if meta.get("architecture", architecture) != architecture:
+        raise ValueError(f"MTP head {path!r} was trained for {meta['architecture']}, the model is {architecture}")
+    return load_file(file).items()

@@ -1,0 +1,113 @@
+"""The `mtp` proposer on a tiny DeepSeek-V3 with an MTP layer in its checkpoint (model.layers.{N}.*, as
+DeepSeek ships it): the layer loads (sharing the target's embedding and head) and proposes exactly what a
+full-sequence reference of the same layer predicts, chained drafts included; greedy outputs are those of
+no speculation through chunked prefill, prefix hits, preemption and the mp executor; its cache is part of
+the pool; a model without MTP layers is a clear error."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+PROMPTS = [[11, 220, 4890, 17, 9, 300], [5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 220, 4890, 17, 9, 300, 44, 45]]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_model_factory, tmp_path_factory):
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from conftest import add_mtp_layer
+    path = str(tmp_path_factory.mktemp("dsv3-mtp") / "model")
+    shutil.copytree(tiny_model_factory("deepseek_v3"), path)
+    add_mtp_layer(path)
+    return path
+
+
+def _llm(model, spec=MTP, **kw):
+    kw.setdefault("kv_cache_memory_bytes", 1 << 22)
+    return LLM(model, block_size=4, speculative_config=spec, **kw)
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@torch.inference_mode()
+def _reference_drafts(llm, prompt: list[int], first: int, k: int) -> list[int]:
+    """The MTP layer over the whole sequence at once (slot = position), then chained: what the engine's
+    first step should have proposed after sampling `first`."""
+    runner = llm.engine.core.runner
+    target, layer = runner.model, runner.drafter.layer
+    n = len(prompt)
+
+    def meta(start, count):
+        slots = torch.arange(start + count)
+        return AttentionMetadata(slots[start:], [SeqSpan(0, count, start + count, slots)])
+    positions = torch.arange(n)
+    hidden = target(torch.tensor(prompt), positions, meta(0, n))          # every row: keep_rows None
+    h = layer.predict(target.model.embed_tokens, target.model.rotary.gather(positions),
+                      torch.tensor(prompt[1:] + [first]), positions, hidden, meta(0, n))[-1:]
+    drafts = []
+    for j in range(k):
+        drafts.append(int(target.compute_logits(layer.shared_head.norm(h)).argmax()))
+        if j + 1 < k:
+            pos = torch.tensor([n + j])
+            h = layer.predict(target.model.embed_tokens, target.model.rotary.gather(pos), torch.tensor(drafts[-1:]),
+                              pos, h, meta(n + j, 1))
+    return drafts
+
+
+def test_mtp_layer_loads_and_proposes_what_the_reference_predicts(mtp_model):
+    llm = _llm(mtp_model)
+    runner = llm.engine.core.runner
+    assert runner.drafter.layer.self_attn in runner.cache_layers()        # its latent cache is in the pool
+    assert runner.kv_bytes_per_token() == 4 * llm.engine.config.model.kv_bytes_per_token // 3   # 3 + 1 layers
+    captured = []
+    execute = runner.execute
+    runner.execute = lambda so: captured.append(execute(so)) or captured[-1]
+    prompt = PROMPTS[1]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+    first = out.outputs[0].token_ids[0]
+    drafts = captured[0].draft_token_ids[out.request_id]
+    assert drafts == _reference_drafts(llm, prompt, first, 3)
+
+
+def test_greedy_outputs_equal_no_speculation(mtp_model):
+    plain = _tokens(_llm(mtp_model, None))
+    llm = _llm(mtp_model, max_num_batched_tokens=7)        # chunked prefill, drafts beside prefill chunks
+    assert _tokens(llm) == plain
+    stats = llm.engine.stats()
+    assert stats.spec_decode.num_draft_tokens > 0 and stats.num_used_blocks == 0
+
+
+def test_greedy_outputs_under_preemption_and_prefix_hits(mtp_model):
+    plain = _tokens(_llm(mtp_model, None))
+    probe = _llm(mtp_model)
+    per_token = probe.engine.core.runner.kv_bytes_per_token()
+    tight = _llm(mtp_model, kv_cache_memory_bytes=11 * 4 * per_token, enable_prefix_caching=True)
+    assert _tokens(tight) == plain
+    stats = tight.engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
+def test_mtp_through_the_mp_executor_with_tensor_parallel(mtp_model):
+    plain = _tokens(_llm(mtp_model, None))
+    llm = _llm(mtp_model, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm) == plain
+        assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_mtp_without_mtp_layers_is_a_clear_error(tiny_model_factory):
+    with pytest.raises(ValueError, match="has no MTP layers .*tokenmill train-mtp"):
+        _llm(tiny_model_factory("deepseek_v3"))
