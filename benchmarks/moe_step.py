@@ -6,7 +6,8 @@ Rows: transformers' Qwen3MoeSparseMoeBlock with its eager experts (the per-exper
 default experts implementation; tokenmill's block with float32, int8 and int4 experts (the same
 weights). Per row: the median ms per step over --runs timed steps (after warm-up), tokens/s, the ratio to
 transformers eager, the bytes of expert weights the step reads, and how many times each expert's
-weights were read per step (tokenmill: counted by hooks; 1 = grouped).
+weights were read per step (grouped_linears: counted by hooks; the native kernel passes over each
+expert's weights once by construction, csrc/moe_kernels.cpp).
 
     .venv/bin/python benchmarks/moe_step.py [--runs 20] [--batch 64] [--threads 2]
 """
@@ -39,7 +40,7 @@ def hf_block(implementation: str):
     return block
 
 
-def ours_from(hf, quantization: str | None):
+def ours_from(hf, quantization: str | None, kernel: str):
     from tokenmill.config import MoEConfig
     from tokenmill.layers.moe import SparseMoeBlock
     from tokenmill.layers.quantize import quantize_model
@@ -50,6 +51,8 @@ def ours_from(hf, quantization: str | None):
             expert.gate_up_proj.weight.copy_(hf.experts.gate_up_proj[e])       # [2I, H]: gate | up
             expert.down_proj.weight.copy_(hf.experts.down_proj[e])             # [H, I]
     quantize_model(block, quantization)
+    if kernel != "grouped_linears":
+        block.experts.set_kernel(kernel)
     return block.eval()
 
 
@@ -76,8 +79,9 @@ def time_steps(fn, x, runs: int) -> float:
 
 
 def expert_bytes(block) -> int:
-    return sum(t.numel() * t.element_size() for e in block.experts.local_experts()
-               for t in list(e.parameters()) + list(e.buffers()) if t.dim() >= 2)
+    """Bytes of expert weights the step reads: the Linears' own, or the stacked copies a kernel made."""
+    return sum(t.numel() * t.element_size() for t in list(block.experts.parameters()) + list(block.experts.buffers())
+               if t.dim() >= 2)
 
 
 def main() -> None:
@@ -95,13 +99,20 @@ def main() -> None:
     hf_default = hf_block(None)
     rows.append((f"transformers default ({hf_default.experts.config._experts_implementation or 'auto'})",
                  lambda v: hf_default(v.unsqueeze(0)), rows[0][2], None))
+    from tokenmill.platforms.cpu import CPUPlatform
+    platform = CPUPlatform(torch.device("cpu"))
     for q in (None, "int8", "int4"):
-        block = ours_from(hf_eager, q)
-        with torch.inference_mode():
-            err = ((block(x) - want).norm() / want.norm()).item()
-            reads = expert_reads(block, x)
-        rows.append((f"tokenmill {q or 'float32'} (rel. err {err:.1e}, reads/expert {reads:.0f})", block,
-                     expert_bytes(block), err))
+        for kernel in ("grouped_linears", "native"):
+            probe = ours_from(hf_eager, q, "grouped_linears")
+            chosen = platform.moe_kernel(probe.experts) if kernel == "native" else kernel
+            if kernel == "native" and chosen == "grouped_linears":
+                continue                               # no native kernel for this format here
+            block = probe if chosen == "grouped_linears" else ours_from(hf_eager, q, chosen)
+            with torch.inference_mode():
+                err = ((block(x) - want).norm() / want.norm()).item()
+                reads = expert_reads(block, x) if chosen == "grouped_linears" else 1.0
+            rows.append((f"tokenmill {q or 'float32'} {chosen} (rel. err {err:.1e}, reads/expert {reads:.0f})",
+                         block, expert_bytes(block), err))
     print(f"MoE layer, batch {args.batch}, {EXPERTS} experts {HIDDEN}x{INTERMEDIATE}, top-{TOP_K}, "
           f"{args.threads} threads, median of {args.runs}")
     base = None

@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "tokenmill.server.cli", "add_serve_parser")
     _add_optional(sub, "tokenmill.bench.cli", "add_bench_parser")
     _add_optional(sub, "tokenmill.tune.cli", "add_tune_parser")
+    _add_optional(sub, "tokenmill.spec.train_mtp_cli", "add_train_mtp_parser")
     return parser
 
 

@@ -147,3 +147,25 @@ def test_owner_rank_is_split_evenly(num_experts, ranks):
 def test_unknown_moe_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown MoE kernel 'cutlass'"):
         _moe().set_kernel("cutlass")
+
+
+@pytest.mark.parametrize("method", [None, "int8"])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_cpu_grouped_gemm_equals_the_experts_weights(method, tokens):
+    """The native grouped kernel (AVX2) on the experts' own weights, float32 or as the int8 method
+    quantized them, gives what float Linears of those (dequantized) weights give."""
+    from tokenmill.layers.quantize import quantize_model
+    from tokenmill.platforms import cpu_moe
+    moe = _moe()
+    quantize_model(moe, method or "float")
+    if not cpu_moe.supports(moe):
+        pytest.skip("no native AVX2 build here")
+    moe.set_kernel("cpu_grouped")
+    assert moe.w13.shape == (6, 64, 64) and moe.w2.shape == (6, 64, 32)
+    ref = _moe()                                   # float Linears holding exactly the weights the kernel reads
+    for e, expert in enumerate(ref.local_experts()):
+        for layer, w, scale in ((expert.gate_up_proj, moe.w13, moe.w13_scale), (expert.down_proj, moe.w2, moe.w2_scale)):
+            layer.weight.data.copy_(w[e].float() * (1 if scale is None else scale[e].unsqueeze(1)))
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(tokens, 6, 2, seed=6)
+    torch.testing.assert_close(moe(x, weights, ids), ref(x, weights, ids), rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@
 #include "gemv_kernels.h"
 #include "greedy_head.h"
 #include "prefill_attention.h"
+#include "moe_kernels.h"
 
 #include <cmath>
 #include <limits>
@@ -425,6 +426,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>())
       .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)")
       .def("max_rows", &DecodeLayer::max_rows, "the most rows a decode step may have");
+#ifdef TOKENMILL_MOE_KERNELS   // AVX2 + FMA builds; Python checks hasattr(module, "moe_grouped_gemm")
+  m.def("moe_grouped_gemm", &moe_grouped_gemm, "rows sorted by expert x each expert's [N, K] weight (CPU)",
+        py::arg("x"), py::arg("run_starts"), py::arg("w"), py::arg("scale"));
+#endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));
     m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",

@@ -32,6 +32,11 @@ class CPUPlatform(Platform):
         from tokenmill.platforms.cpu_decode import NativeDecodeProgram
         return NativeDecodeProgram.build(decoder)
 
+    def moe_kernel(self, moe) -> str:
+        """The native grouped GEMM where it takes the experts (float32 or int8, AVX2), else the Linears."""
+        from tokenmill.platforms import cpu_moe
+        return "cpu_grouped" if cpu_moe.supports(moe) else "grouped_linears"
+
     def greedy_head(self, lm_head):
         from tokenmill.platforms.cpu_greedy_head import GreedyHead
         return GreedyHead.build(lm_head)

@@ -20,10 +20,11 @@ import os
 logger = logging.getLogger("tokenmill")
 CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp", "decode_layer.cpp",
-                                                     "greedy_head.cpp", "prefill_attention.cpp")]
+                                                     "greedy_head.cpp", "prefill_attention.cpp",
+                                                     "moe_kernels.cpp")]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h",
                                                      "greedy_head.h", "tile_loop.h", "prefill_attention.h",
-                                                     "simd_math.h")]
+                                                     "simd_math.h", "moe_kernels.h")]
 
 
 def _cpu_tag() -> str:

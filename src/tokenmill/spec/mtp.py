@@ -129,13 +129,14 @@ def mtp_weights(config, target):
     """(name relative to the MTP layer, tensor): a train-mtp head's file, or the target checkpoint's first
     MTP layer (model.layers.{num_hidden_layers}.*)."""
     from tokenmill.loaders import open_model_source
+    from tokenmill.loaders.lazy import read_part
     path = config.speculative.model
     if path:
         return _head_weights(path, config.model.architecture)
     prefix = f"model.layers.{config.model.num_layers}."
     weights = [] if config.model.num_mtp_layers < 1 else \
-        [(name[len(prefix):], t) for name, t in open_model_source(config.model_path).iter_weights()
-         if name.startswith(prefix)]                   # lazy tensors: only the MTP layer's are read
+        [(name[len(prefix):], read_part(t, slice(None), slice(None)))      # only the MTP layer's are read
+         for name, t in open_model_source(config.model_path).iter_weights() if name.startswith(prefix)]
     if not weights:
         raise ValueError(f"speculative method 'mtp': {config.model_path} has no MTP layers (num_nextn_predict_"
                          f"layers {config.model.num_mtp_layers}, no {prefix}* tensors); give a head "

@@ -6,6 +6,8 @@
   each expert's two Linears on its contiguous run. Each expert's weights are read once per step.
 - "triton" (CUDA, float experts): the experts' weights stacked [E, N, K] and one grouped-GEMM launch per
   projection over the sorted rows (triton_moe.py): no host sync, no per-expert launches.
+- "cpu_grouped" (CPU with AVX2, float32 or int8 experts): the same stacking, one native call per
+  projection (platforms/cpu_moe.py, csrc/moe_kernels.cpp).
 """
 from __future__ import annotations
 
@@ -64,10 +66,14 @@ class TritonGroupedGemm(MoEKernel):
         return grouped_matmul(self.silu_and_mul(h), moe.w2, layout)
 
 
-MOE_KERNELS: dict[str, type[MoEKernel]] = {k.name: k for k in (GroupedLinears, TritonGroupedGemm)}
+MOE_KERNELS = {"grouped_linears": "tokenmill.layers.moe.kernels:GroupedLinears",     # name -> module:class
+               "triton": "tokenmill.layers.moe.kernels:TritonGroupedGemm",
+               "cpu_grouped": "tokenmill.platforms.cpu_moe:CPUGroupedGemm"}
 
 
 def get_moe_kernel(name: str) -> MoEKernel:
     if name not in MOE_KERNELS:
         raise ValueError(f"unknown MoE kernel {name!r}; expected one of {sorted(MOE_KERNELS)}")
-    return MOE_KERNELS[name]()
+    import importlib
+    module, cls = MOE_KERNELS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,107 @@
+// See moe_kernels.h. Work items are (expert, block of 16 output rows), spread over the threads: a block's
+// weights (16 rows x K) stay in L1/L2 while every row of the expert's run passes over them, eight rows at
+// a time, each with its own accumulator: one weight vector load (int8: widened to float32 once) feeds
+// eight FMAs.
+#include "moe_kernels.h"
+
+#ifdef TOKENMILL_MOE_KERNELS
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockRows = 16;   // output rows per work item
+constexpr int kRowsPerPass = 8;      // activation rows sharing one pass over a weight row
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// out[i * ldo] = dot(x + i * K, w) for M rows of x (K a multiple of 8).
+template <int M, class W>
+inline void dot_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, float scale) {
+  __m256 acc[M];
+  for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 wv = load8(w + k);
+    for (int i = 0; i < M; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k), acc[i]);
+  }
+  for (int i = 0; i < M; i++) out[i * ldo] = hsum(acc[i]) * scale;
+}
+
+template <class W>
+inline void dot_any(int m, const float* x, int64_t K, const W* w, float* out, int64_t ldo, float scale) {
+  switch (m) {
+    case 1: return dot_rows<1>(x, K, w, out, ldo, scale);
+    case 2: return dot_rows<2>(x, K, w, out, ldo, scale);
+    case 3: return dot_rows<3>(x, K, w, out, ldo, scale);
+    case 4: return dot_rows<4>(x, K, w, out, ldo, scale);
+    case 5: return dot_rows<5>(x, K, w, out, ldo, scale);
+    case 6: return dot_rows<6>(x, K, w, out, ldo, scale);
+    case 7: return dot_rows<7>(x, K, w, out, ldo, scale);
+    default: return dot_rows<8>(x, K, w, out, ldo, scale);
+  }
+}
+
+template <class W>
+void grouped(const float* x, const int64_t* starts, const W* w, const float* scale, float* y, int64_t E,
+             int64_t N, int64_t K) {
+  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
+  std::vector<int64_t> items;                 // e * blocks + b for experts with rows
+  for (int64_t e = 0; e < E; e++)
+    if (starts[e + 1] > starts[e])
+      for (int64_t b = 0; b < blocks; b++) items.push_back(e * blocks + b);
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t e = items[i] / blocks, n0 = items[i] % blocks * kBlockRows;
+      const int64_t n1 = std::min(N, n0 + kBlockRows), r0 = starts[e], r1 = starts[e + 1];
+      for (int64_t n = n0; n < n1; n++) {
+        const W* wrow = w + (e * N + n) * K;
+        const float s = scale ? scale[e * N + n] : 1.0f;
+        for (int64_t r = r0; r < r1; r += kRowsPerPass)
+          dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
+                               c10::optional<torch::Tensor> scale) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "moe_grouped_gemm: x must be contiguous float32 [R, K], got ", x.sizes());
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == x.size(1) && w.size(2) % 8 == 0,
+              "moe_grouped_gemm: w must be contiguous [E, N, K] with K = x's columns, a multiple of 8; got ",
+              w.sizes(), " for x ", x.sizes());
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2), R = x.size(0);
+  TORCH_CHECK(run_starts.scalar_type() == torch::kInt64 && run_starts.numel() == E + 1 &&
+                  run_starts.is_contiguous(),
+              "moe_grouped_gemm: run_starts must be int64 [E + 1]");
+  const int64_t* starts = run_starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[E] == R, "moe_grouped_gemm: run_starts must go from 0 to the rows of x");
+  auto y = torch::empty({R, N}, x.options());
+  if (w.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                    scale->numel() == E * N,
+                "moe_grouped_gemm: int8 weights need float32 scales [E, N]");
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y.data_ptr<float>(), E,
+            N, K);
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32 or int8");
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), nullptr, y.data_ptr<float>(), E, N, K);
+  }
+  return y;
+}
+#endif

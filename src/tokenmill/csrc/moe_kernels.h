@@ -1,0 +1,14 @@
+// Grouped expert GEMMs for MoE layers on the CPU (moe_kernels.cpp): rows sorted by expert, every
+// expert's weights read from memory once per call and reused from L1/L2 by all of its rows. Needs AVX2
+// and FMA (every x86 CPU the project targets); other builds leave it out and Python uses the per-expert
+// Linears instead (layers/moe/kernels.py).
+#pragma once
+#include <torch/extension.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_MOE_KERNELS 1
+// x [R, K] float32 (rows of expert e at run_starts[e] .. run_starts[e + 1]); w [E, N, K] float32 or int8
+// (then scale [E, N] float32 multiplies each output) -> y [R, N] float32, y[r] = x[r] @ w[e]^T (* scale[e]).
+torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
+                               c10::optional<torch::Tensor> scale);
+#endif

@@ -1,0 +1,195 @@
+"""Training an MTP head (models/mtp.py's layout) for a model that has none, on text the model writes itself.
+
+1. Data: the engine generates from a spread of instruction prompts (sampled, so the text varies); each
+   sequence's final hidden states h_p come from the same engine's model (the quantization it will serve
+   with), with the target's next-token distributions q_{p+1} = softmax(lm_head(h_{p+1})).
+2. Model: enorm, hnorm, eh_proj and one decoder block of the target's own Hugging Face class (initialized
+   from the target's last layer), shared_head.norm (from the final norm); the embedding and head are the
+   target's, frozen. All plain torch modules, so autograd applies.
+3. Loss: KL(q_{p+1} || the head's prediction at p), in nats (distillation: the head learns to guess what
+   the target will say after t_{p+1}, which is what greedy verification accepts; 0 = a perfect copy). Held-out
+   accuracy: how often its argmax is the target's argmax, the first draft's acceptance rate.
+
+The saved head (mtp.safetensors, names relative to the layer as DeepSeek's, mtp_config.json) loads with
+speculative_config {"method": "mtp", "model": DIR}."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ["a short story", "a news report", "an explanation for a student", "a letter to a friend", "a recipe",
+         "a product review", "a dialogue between two people", "a summary of the history", "a list of tips",
+         "a travel guide entry", "a short essay", "a museum placard"]
+TOPICS = ["the ocean", "a small bakery", "volcanoes", "the first railway", "learning a language", "honey bees",
+          "a rainy city", "chess", "the moon landing", "gardening in winter", "an old lighthouse", "bicycles",
+          "the printing press", "deserts", "a school concert", "coffee", "glaciers", "a lost key",
+          "the human heart", "public libraries", "electric cars", "a mountain village", "owls", "bridges"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_prompts: int = 96
+    max_tokens: int = 160             # generated per prompt
+    steps: int = 400
+    lr: float = 1e-3
+    holdout: float = 0.1              # share of sequences kept for the accuracy check
+    seed: int = 0
+
+
+@dataclass
+class Sequence:
+    ids: torch.Tensor                 # [n] int64: prompt and generated tokens
+    hidden: torch.Tensor              # [n, hidden] the target's final hidden states
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    accuracy: float = 0.0             # held out: the head's argmax == the target's argmax
+    tokens: int = 0
+
+
+def training_prompts(llm, n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    pairs = [(k, t) for k in KINDS for t in TOPICS]
+    rng.shuffle(pairs)
+    tok = llm.tokenizer
+    out = []
+    for kind, topic in (pairs * (n // len(pairs) + 1))[:n]:
+        text = f"Write {kind} about {topic}."
+        try:
+            out.append(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain instruction
+            out.append(text + "\n")
+    return out
+
+
+@torch.inference_mode()
+def generate_sequences(llm, cfg: TrainConfig, progress=None) -> list[Sequence]:
+    from tokenmill import SamplingParams
+    from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+    prompts = training_prompts(llm, cfg.num_prompts, cfg.seed)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    model = llm.engine.core.runner.model
+    seqs = []
+    for out in outs:
+        ids = torch.tensor(list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+        slots = torch.arange(len(ids))
+        hidden = model(ids, slots, AttentionMetadata(slots, [SeqSpan(0, len(ids), len(ids), slots)]))
+        seqs.append(Sequence(ids, hidden.float().clone()))
+        if progress:
+            progress()
+    return seqs
+
+
+class MTPTrainee(nn.Module):
+    """The head being trained: names as models/mtp.py's MTPLayer (the block's under `block.` until saved)."""
+
+    def __init__(self, hf_config, target_weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        import transformers
+        one = transformers.AutoModelForCausalLM.from_config(_one_layer(hf_config), dtype=torch.float32)
+        self.block, self.rotary = one.model.layers[0], one.model.rotary_emb
+        h, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        last = hf_config.num_hidden_layers - 1
+        self.block.load_state_dict({k[len(f"model.layers.{last}."):]: v for k, v in target_weights.items()
+                                    if k.startswith(f"model.layers.{last}.")}, strict=True)
+        self.enorm, self.hnorm = nn.RMSNorm(h, eps), nn.RMSNorm(h, eps)
+        self.head_norm = nn.RMSNorm(h, eps)
+        with torch.no_grad():
+            self.head_norm.weight.copy_(target_weights["model.norm.weight"])
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        with torch.no_grad():                              # start as the mean of the two inputs
+            eye = torch.eye(h)
+            self.eh_proj.weight.copy_(torch.cat([eye, eye], dim=1) * 0.5)
+        self.embed = target_weights["model.embed_tokens.weight"]           # frozen, shared with the target
+        self.head = target_weights.get("lm_head.weight", self.embed)
+
+    def forward(self, ids_next: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """ids_next [n] (t_{p+1}), hidden [n, H] (h_p), positions 0..n-1 -> logits [n, vocab]."""
+        n = ids_next.shape[0]
+        positions = torch.arange(n).unsqueeze(0)
+        e = F.embedding(ids_next, self.embed)
+        e[0] = 0                                            # position 0, as MTPLayer.predict
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1)).unsqueeze(0)
+        out = self.block(x, position_embeddings=self.rotary(x, positions), attention_mask=None,
+                         position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        return F.linear(self.head_norm(out[0]), self.head)
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        """models/mtp.py's names: the block's at the top, then the head's own."""
+        out = {k: v.detach().contiguous() for k, v in self.block.state_dict().items() if "rotary" not in k}
+        out.update({"enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight,
+                    "eh_proj.weight": self.eh_proj.weight, "shared_head.norm.weight": self.head_norm.weight})
+        return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def _one_layer(hf_config):
+    import copy
+    cfg = copy.deepcopy(hf_config)
+    cfg.num_hidden_layers = 1
+    cfg.tie_word_embeddings = False
+    return cfg
+
+
+def _targets(model: MTPTrainee, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(t_{p+1}, h_p, the target's distribution at p+1) for p = 0 .. n-2."""
+    with torch.no_grad():
+        q = F.linear(seq.hidden[1:], model.head).softmax(dim=-1)
+    return seq.ids[1:], seq.hidden[:-1], q
+
+
+def train(model: MTPTrainee, seqs: list[Sequence], cfg: TrainConfig, on_step=None) -> TrainResult:
+    rng = random.Random(cfg.seed)
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    n_hold = max(1, int(len(seqs) * cfg.holdout)) if len(seqs) > 1 else 0
+    held, used = [seqs[i] for i in order[:n_hold]], [seqs[i] for i in order[n_hold:]] or seqs
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    result = TrainResult(tokens=sum(len(s.ids) for s in used))
+    for step in range(cfg.steps):
+        lr = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))        # cosine decay
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids_next, hidden, q = _targets(model, used[step % len(used)])
+        logits = model(ids_next, hidden)
+        loss = F.kl_div(logits.log_softmax(dim=-1), q, reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        result.losses.append(loss.item())
+        if on_step:
+            on_step(step, loss.item())
+    result.accuracy = accuracy(model, held or used)
+    return result
+
+
+@torch.no_grad()
+def accuracy(model: MTPTrainee, seqs: list[Sequence]) -> float:
+    hits = total = 0
+    for seq in seqs:
+        ids_next, hidden, q = _targets(model, seq)
+        hits += int((model(ids_next, hidden).argmax(dim=-1) == q.argmax(dim=-1)).sum())
+        total += len(ids_next)
+    return hits / max(total, 1)
+
+
+def target_weights(source, names_wanted) -> dict[str, torch.Tensor]:
+    """The float tensors of the checkpoint the head needs: embedding, head, final norm, the last layer."""
+    from tokenmill.loaders.lazy import read_part
+    out = {}
+    for name, t in source.iter_weights():
+        if names_wanted(name):
+            out[name] = read_part(t, slice(None), slice(None)).float()
+    return out

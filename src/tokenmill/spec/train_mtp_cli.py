@@ -1,0 +1,82 @@
+"""`tokenmill train-mtp --model M --out DIR`: train an MTP head (spec/train_mtp.py), with a progress bar,
+and save it with its loss curve (loss.png)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def add_train_mtp_parser(sub) -> None:
+    from tokenmill.spec.train_mtp import TrainConfig
+    d = TrainConfig()
+    p = sub.add_parser("train-mtp", help="train an MTP speculative-decoding head on text the model writes itself")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the default model)")
+    p.add_argument("--out", required=True, help="directory for mtp.safetensors, mtp_config.json, loss.png")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                   help="the target's quantization while making the data (its hidden states as served)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per prompt")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=cmd_train_mtp)
+
+
+def cmd_train_mtp(ns) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from tokenmill import LLM
+    from tokenmill.loaders import open_model_source
+    from tokenmill.spec.mtp import HEAD_CONFIG, HEAD_FILE
+    from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, train
+    cfg = TrainConfig(ns.num_prompts, ns.max_tokens, ns.steps, ns.lr, seed=ns.seed)
+    if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2:
+        raise ValueError("train-mtp: --steps and --num-prompts must be >= 1 and --max-tokens >= 2")
+    os.makedirs(ns.out, exist_ok=True)
+    console, t0 = Console(stderr=True), time.perf_counter()
+    llm = LLM(ns.model, quantization=ns.quantization)
+    source = open_model_source(ns.model)
+    architecture = llm.engine.config.model.architecture
+    last = source.hf_config.num_hidden_layers - 1
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"generating {cfg.num_prompts} sequences", total=cfg.num_prompts)
+        seqs = generate_sequences(llm, cfg, lambda: progress.advance(task))
+        del llm
+        weights = target_weights(source, lambda n: n in ("model.embed_tokens.weight", "lm_head.weight",
+                                                           "model.norm.weight") or n.startswith(f"model.layers.{last}."))
+        model = MTPTrainee(source.hf_config, weights)
+        task = progress.add_task("training", total=cfg.steps)
+        result = train(model, seqs, cfg, lambda step, loss: progress.update(task, advance=1,
+                                                                             description=f"training (loss {loss:.3f})"))
+    from safetensors.torch import save_file
+    save_file(model.state_for_save(), os.path.join(ns.out, HEAD_FILE))
+    meta = {"architecture": architecture, "target": source.path, "quantization": ns.quantization,
+            "steps": cfg.steps, "sequences": len(seqs), "tokens": result.tokens, "final_loss": result.losses[-1],
+            "heldout_top1_agreement": result.accuracy, "seconds": round(time.perf_counter() - t0, 1)}
+    with open(os.path.join(ns.out, HEAD_CONFIG), "w") as f:
+        json.dump(meta, f, indent=2)
+    plot_losses(result.losses, os.path.join(ns.out, "loss.png"))
+    console.print(f"saved {ns.out}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out agreement "
+                  f"with the target's next token {result.accuracy:.1%}, {meta['seconds']} s")
+    return 0
+
+
+def plot_losses(losses: list[float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, linewidth=0.8, label="per step")
+    window = max(1, len(losses) // 20)
+    if window > 1:
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(smooth, linewidth=1.6, label=f"mean of {window}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(target || head), nats")
+    ax.set_title("MTP head training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,76 @@
+"""`tokenmill train-mtp` on a tiny model: data from the model itself, a head whose loss falls, files that
+`mtp` loads (greedy outputs unchanged, drafts proposed), the loss curve, clear errors for bad options and
+a head trained for another architecture."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.cli import main
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("llama", tie_word_embeddings=False)
+    out = str(tmp_path_factory.mktemp("mtp-head"))
+    assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--max-tokens", "24",
+                 "--steps", "60", "--lr", "3e-3"]) == 0
+    return model, out
+
+
+def test_train_mtp_writes_a_head_whose_loss_falls(head):
+    _, out = head
+    assert sorted(os.listdir(out)) == ["loss.png", "mtp.safetensors", "mtp_config.json"]
+    meta = json.load(open(os.path.join(out, "mtp_config.json")))
+    assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 and meta["steps"] == 60
+    assert 0.0 <= meta["heldout_top1_agreement"] <= 1.0
+    from tokenmill.spec.train_mtp import TrainResult  # noqa: F401 - the module imports without a GPU
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, "mtp.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+            "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"} <= names
+
+
+def test_training_lowers_the_loss(tiny_model_factory):
+    """Same data, the loss of the first steps against the last (the head learns the target's habits)."""
+    from tokenmill.loaders import open_model_source
+    from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, train
+    model = tiny_model_factory("llama", tie_word_embeddings=False)
+    cfg = TrainConfig(num_prompts=4, max_tokens=24, steps=80, lr=3e-3)
+    seqs = generate_sequences(LLM(model, kv_cache_memory_bytes=1 << 22), cfg)
+    source = open_model_source(model)
+    trainee = MTPTrainee(source.hf_config, target_weights(source, lambda n: not n.startswith("model.layers.0.")))
+    result = train(trainee, seqs, cfg)
+    first, last = sum(result.losses[:8]) / 8, sum(result.losses[-8:]) / 8
+    assert last < 0.9 * first
+
+
+def test_mtp_loads_the_trained_head_and_keeps_greedy_outputs(head):
+    model, out = head
+    prompts = [[11, 220, 4890, 17, 9, 300], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    plain = [o.outputs[0].token_ids for o in LLM(model, kv_cache_memory_bytes=1 << 22).generate(prompts, GREEDY)]
+    llm = LLM(model, kv_cache_memory_bytes=1 << 22,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": out})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_a_head_for_another_architecture_or_none_is_a_clear_error(head, tiny_model_factory, tmp_path):
+    _, out = head
+    with pytest.raises(ValueError, match="trained for LlamaForCausalLM, the model is Qwen2ForCausalLM"):
+        LLM(tiny_model_factory("qwen2"), kv_cache_memory_bytes=1 << 22,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": out})
+    with pytest.raises(ValueError, match="no mtp.safetensors there"):
+        LLM(tiny_model_factory("llama", tie_word_embeddings=False), kv_cache_memory_bytes=1 << 22,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": str(tmp_path)})
+
+
+def test_bad_training_options_are_clear_errors(tiny_model_dir, tmp_path, capsys):
+    assert main(["train-mtp", "--model", tiny_model_dir, "--out", str(tmp_path), "--steps", "0"]) == 2
+    assert "--steps and --num-prompts must be >= 1" in capsys.readouterr().err
