@@ -9,6 +9,7 @@
    speculation vs none (the target: never a loss at high load).
 
     .venv/bin/python benchmarks/spec_decode.py [--runs 3] [--quantization int4] [--skip-offline]
+        [--mtp-head DIR]    # also the mtp configs, with a head from `tokenmill train-mtp --out DIR`
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ CONFIGS = {
     "none": None,
     "ngram-k4-fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram-k4-adaptive": {"method": "ngram", "num_speculative_tokens": 4},
+    # self-speculation: the default model's first 20 of its 30 layers draft
+    "self-20L-k3-fixed": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 20,
+                          "adaptive": False},
+    "self-20L-k3-adaptive": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 20},
+}
+MTP_CONFIGS = {   # the head's directory is added from --mtp-head
+    "mtp-k1-fixed": {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
+    "mtp-k2-fixed": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
+    "mtp-k2-adaptive": {"method": "mtp", "num_speculative_tokens": 2},
 }
 
 
@@ -68,18 +78,24 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--mtp-head", default=None, help="a `tokenmill train-mtp` directory: adds the mtp configs")
     args = ap.parse_args()
+    configs = dict(CONFIGS)
+    if args.mtp_head:
+        configs.update({k: dict(v, model=args.mtp_head) for k, v in MTP_CONFIGS.items()})
+        if args.configs == ",".join(CONFIGS):
+            args.configs = ",".join(configs)
     from tokenmill import LLM
     texts = prompts()
     print(f"default model, {args.quantization or 'fp32'}, {len(texts)} articles, 128 output tokens, "
           f"medians of {args.runs}; {os.cpu_count()} cores")
     results = {}
     for name in args.configs.split(","):
-        llm = LLM(quantization=args.quantization, speculative_config=CONFIGS[name], enable_prefix_caching=False,
+        llm = LLM(quantization=args.quantization, speculative_config=configs[name], enable_prefix_caching=False,
                   kv_cache_memory_bytes=1 << 30)
         llm.generate(texts[:1], None)                                  # warm-up
         rate, length = batch1(llm, texts, args.runs)
-        off = None if args.skip_offline or name == "ngram-k4-fixed" else \
+        off = None if args.skip_offline or name.endswith("-fixed") else \
             offline(llm, texts, args.offline_requests, args.runs)
         results[name] = (rate, length, off)
         del llm

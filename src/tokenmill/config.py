@@ -237,10 +237,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config: a dict {"method": ..., "num_speculative_tokens": k, ...} (or its JSON)."""
-    method: str                              # spec/ PROPOSERS: "ngram" | "mtp"
+    method: str                              # spec/ PROPOSERS: "ngram" | "mtp" | "draft_model"
     num_speculative_tokens: int              # k: the most draft tokens per request per step
     model: str | None = None                 # mtp: a `tokenmill train-mtp` head's directory (None: the
-                                             # checkpoint's own MTP layers)
+                                             # checkpoint's own MTP layers); draft_model: the draft model
+                                             # (None or "self": the target's first draft_num_layers layers)
+    draft_num_layers: int | None = None      # draft_model self-speculation: layers of the target it runs
     prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4               # ngram: the longest
     adaptive: bool = True                    # k per step from acceptance and the step-time model (False: k)

@@ -113,14 +113,17 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
-    def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta, keep_rows: torch.Tensor | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden], or of rows keep_rows only
         ([len(keep_rows), hidden]; the last layer then skips the other rows after caching their keys and
-        values: in a prefill chunk only the last row is sampled)."""
+        values: in a prefill chunk only the last row is sampled). num_layers: through the first layers only,
+        then the final norm (a layer-truncated self-draft, spec/draft_model.py)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.gather(positions)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
             x, residual = layer(rope, x, residual, meta, keep_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x

@@ -12,7 +12,8 @@ import importlib
 from tokenmill.spec.base import Proposer
 
 PROPOSERS = {"ngram": "tokenmill.spec.ngram:NgramProposer",     # method -> module:class, imported lazily
-             "mtp": "tokenmill.spec.mtp:MTPProposer"}
+             "mtp": "tokenmill.spec.mtp:MTPProposer",
+             "draft_model": "tokenmill.spec.draft_model:DraftModelProposer"}
 
 
 def make_proposer(config) -> Proposer:

@@ -35,14 +35,32 @@ class DraftStep:
 class Drafter:
     name = "base"
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
     def attention_layers(self) -> list:
         return []
 
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         raise NotImplementedError
 
+    def step_tensors(self, ids: list[int], positions: list[int], requests, block_size: int):
+        """The drafter's own forward inputs on its device: (ids [T], positions [T], attention metadata)
+        for `requests` = (block table, start position, new tokens) with their rows consecutive."""
+        from tokenmill.worker.input_batch import StepInputs, build_attention_metadata
+        inputs = StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                            build_attention_metadata(requests, block_size), torch.empty(0, dtype=torch.long), [])
+        inputs = inputs.to(self.device)
+        return inputs.input_ids, inputs.positions, inputs.meta
 
-DRAFTERS = {"mtp": "tokenmill.spec.mtp:MTPDrafter"}     # speculative method -> module:class
+
+def reaches(sr, position: int, block_size: int) -> bool:
+    """Whether the request's block table has a slot for `position` (lookahead slots included)."""
+    return position < len(sr.block_ids) * block_size
+
+
+DRAFTERS = {"mtp": "tokenmill.spec.mtp:MTPDrafter",     # speculative method -> module:class
+            "draft_model": "tokenmill.spec.draft_model:DraftModelDrafter"}
 
 
 def make_drafter(config, target, platform) -> Drafter:

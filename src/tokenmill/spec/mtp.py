@@ -20,8 +20,7 @@ from tokenmill.models.mtp import SHARED_WITH_TARGET, build_mtp_layer
 from tokenmill.models.weights import load_named_weights
 from tokenmill.sample.rejection import speculation_applies
 from tokenmill.spec.base import Proposer
-from tokenmill.spec.drafter import Drafter, DraftStep
-from tokenmill.worker.input_batch import build_attention_metadata
+from tokenmill.spec.drafter import Drafter, DraftStep, reaches
 
 logger = logging.getLogger("tokenmill")
 HEAD_FILE, HEAD_CONFIG = "mtp.safetensors", "mtp_config.json"
@@ -42,6 +41,7 @@ class MTPDrafter(Drafter):
     def __init__(self, config, target, platform) -> None:
         from tokenmill.layers.quantize import quantize_model
         from tokenmill.platforms import building
+        super().__init__(platform.device)
         self.target = target
         with building(platform, config.model.dtype):
             self.layer = build_mtp_layer(target).to(platform.device)
@@ -51,7 +51,6 @@ class MTPDrafter(Drafter):
         for moe in moe_blocks(self.layer):
             moe.set_kernel(platform.moe_kernel(moe))
         self.layer.eval()
-        self.device = platform.device
 
     def attention_layers(self) -> list:
         return [self.layer.self_attn]
@@ -78,13 +77,7 @@ class MTPDrafter(Drafter):
         return self._chain(step, hidden, tails) if tails else {}
 
     def _run(self, step: DraftStep, ids, positions, prev_hidden, requests) -> torch.Tensor:
-        meta = build_attention_metadata(requests, step.block_size)
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        if self.device.type != "cpu":
-            from tokenmill.worker.input_batch import StepInputs
-            moved = StepInputs(ids_t, pos_t, meta, torch.empty(0, dtype=torch.long), []).to(self.device)
-            ids_t, pos_t, meta = moved.input_ids, moved.positions, moved.meta
+        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, step.block_size)
         model = self.target.model
         return self.layer.predict(model.embed_tokens, model.rotary.gather(pos_t), ids_t, pos_t, prev_hidden, meta)
 
@@ -99,7 +92,7 @@ class MTPDrafter(Drafter):
         drafts = {sr.request_id: [t] for (sr, _, _), t in zip(tails, tokens)}
         live = [(sr, pos) for sr, _, pos in tails]
         for j in range(1, step.k):
-            keep = [i for i, (sr, pos) in enumerate(live) if (pos + j) < len(sr.block_ids) * step.block_size]
+            keep = [i for i, (sr, pos) in enumerate(live) if reaches(sr, pos + j, step.block_size)]
             if not keep:
                 break
             live = [live[i] for i in keep]

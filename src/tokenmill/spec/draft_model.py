@@ -1,0 +1,122 @@
+"""The `draft_model` proposer: a smaller model drafts greedily on the worker, beside the target.
+
+- A model of its own (speculative_config "model": a directory or .gguf sharing the target's vocabulary):
+  built and quantized as the target is, with its own KV layers in the target's pool and block table. Each
+  step it reads the step's verified tokens (its cache stays complete) and the token sampled now, whose
+  logits give draft 1; drafts 2..k feed it its own drafts at the next positions (lookahead slots).
+- Self-speculation ("model" omitted or "self", "draft_num_layers": L): the target's first L layers, final
+  norm and head. Its computation of verified tokens is the target's own (same inputs, same weights), so it
+  shares the target's layers and cache and only runs the chain: the token sampled now, then its drafts.
+  What it writes at draft positions the target overwrites next step before reading (a step writes its new
+  tokens' keys and values before attending)."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.sample.rejection import speculation_applies
+from tokenmill.spec.base import Proposer
+from tokenmill.spec.drafter import Drafter, DraftStep, reaches
+
+
+class DraftModelProposer(Proposer):
+    """The host side of `draft_model`: drafts come from the worker (DraftModelDrafter) with each step."""
+    name = "draft_model"
+    on_worker = True
+
+    def propose(self, request_id, token_ids, k):
+        raise RuntimeError("draft_model drafts are made on the worker (RunnerOutput.draft_token_ids)")
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+
+    def __init__(self, config, target, platform) -> None:
+        super().__init__(platform.device)
+        spec = config.speculative
+        self.num_layers = None                    # self-speculation: the target's first layers
+        if spec.model in (None, "", "self"):
+            n = config.model.num_layers
+            if spec.draft_num_layers is None or not 1 <= spec.draft_num_layers < n:
+                raise ValueError(f"speculative method 'draft_model' without a model drafts with the target's first "
+                                 f"layers: draft_num_layers must be in [1, {n}), got {spec.draft_num_layers!r}")
+            self.model, self.num_layers = target, spec.draft_num_layers
+        else:
+            self.model = load_draft_model(config, spec.model, platform)
+            if self.model.config.vocab_size != config.model.vocab_size:
+                raise ValueError(f"draft model {spec.model!r} has a vocabulary of {self.model.config.vocab_size} "
+                                 f"tokens, the target {config.model.vocab_size}: they must share the tokenizer")
+
+    def attention_layers(self) -> list:
+        return [] if self.num_layers is not None else self.model.attention_layers()
+
+    @torch.inference_mode()
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        ids, positions, requests, tails = [], [], [], []
+        for sr in step.sched_out.scheduled:
+            sampled = step.sampled.get(sr.request_id)
+            feed, first = self._feed(sr, sampled)
+            if not feed:
+                continue
+            ids.extend(feed)
+            positions.extend(range(first, first + len(feed)))
+            requests.append((sr.block_ids, first, len(feed)))
+            if sampled and step.k and speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)):
+                tails.append((sr, len(ids) - 1, first + len(feed) - 1))
+        if not tails:
+            if ids and self.num_layers is None:       # still fill the draft model's cache
+                self._logits(step, ids, positions, requests, [len(ids) - 1], skip_logits=True)
+            return {}
+        tokens = self._logits(step, ids, positions, requests, [row for _, row, _ in tails])
+        drafts = {sr.request_id: [t] for (sr, _, _), t in zip(tails, tokens)}
+        live = [(sr, pos) for sr, _, pos in tails]
+        for j in range(1, step.k):
+            live = [(sr, pos) for sr, pos in live if reaches(sr, pos + j, step.block_size)]
+            if not live:
+                break
+            feed = [drafts[sr.request_id][-1] for sr, _ in live]
+            pos = [p + j for _, p in live]
+            tokens = self._logits(step, feed, pos, [(sr.block_ids, p, 1) for (sr, _), p in zip(live, pos)],
+                                  list(range(len(live))))
+            for (sr, _), t in zip(live, tokens):
+                drafts[sr.request_id].append(t)
+        return drafts
+
+    def _feed(self, sr, sampled: list[int] | None) -> tuple[list[int], int]:
+        """(tokens the draft model reads this step, the position of the first): self-speculation reads only
+        the token sampled now; a model of its own also the step's verified tokens (its own ones and the
+        accepted drafts), or a prefill chunk as it is."""
+        d = sr.num_draft_tokens
+        own = list(sr.token_ids[:sr.num_new_tokens - d])
+        if sr.sample and not sampled:                                  # its part of the step failed
+            return [], 0
+        if self.num_layers is not None:
+            return ([sampled[-1]], sr.start_position + len(own) + len(sampled) - 1) if sampled else ([], 0)
+        return own + list(sampled or ()), sr.start_position
+
+    def _logits(self, step: DraftStep, ids, positions, requests, rows: list[int], skip_logits: bool = False):
+        """The draft model over `ids`; the greedy token of each of `rows`."""
+        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, step.block_size)
+        keep = torch.tensor(rows, dtype=torch.long, device=ids_t.device)
+        if self.num_layers is not None:
+            hidden = self.model.model(ids_t, pos_t, meta, keep, num_layers=self.num_layers)
+        else:
+            hidden = self.model(ids_t, pos_t, meta, keep)
+        if skip_logits:
+            return []
+        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+
+def load_draft_model(config, path: str, platform):
+    """A supported model at `path`, built, loaded and quantized as the target is."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.layers.quantize import load_and_quantize
+    from tokenmill.loaders import open_model_source
+    from tokenmill.models.registry import get_model_class
+    from tokenmill.platforms import building
+    source = open_model_source(path)
+    cfg = ModelConfig.from_hf(source.hf_config, config.model.dtype)
+    with building(platform, cfg.dtype):
+        model = get_model_class(cfg.architecture)(cfg)
+    load_and_quantize(model, source.iter_weights(), platform.quant_method(config.quantization, cfg.dtype), source.path)
+    model.finish_loading(platform)
+    return model.eval()
