@@ -20,3 +20,12 @@ class Proposer:
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request."""
+
+
+class WorkerProposer(Proposer):
+    """The host side of a proposer that drafts on the worker (spec/drafter.py): its drafts arrive with each
+    step's output (RunnerOutput.draft_token_ids), so it is never asked here."""
+    on_worker = True
+
+    def propose(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        raise RuntimeError(f"{self.name} drafts are made on the worker (RunnerOutput.draft_token_ids)")

@@ -14,17 +14,12 @@ from __future__ import annotations
 import torch
 
 from tokenmill.sample.rejection import speculation_applies
-from tokenmill.spec.base import Proposer
+from tokenmill.spec.base import WorkerProposer
 from tokenmill.spec.drafter import Drafter, DraftStep, reaches
 
 
-class DraftModelProposer(Proposer):
-    """The host side of `draft_model`: drafts come from the worker (DraftModelDrafter) with each step."""
+class DraftModelProposer(WorkerProposer):
     name = "draft_model"
-    on_worker = True
-
-    def propose(self, request_id, token_ids, k):
-        raise RuntimeError("draft_model drafts are made on the worker (RunnerOutput.draft_token_ids)")
 
 
 class DraftModelDrafter(Drafter):

@@ -19,20 +19,15 @@ from tokenmill.layers.moe import moe_blocks
 from tokenmill.models.mtp import SHARED_WITH_TARGET, build_mtp_layer
 from tokenmill.models.weights import load_named_weights
 from tokenmill.sample.rejection import speculation_applies
-from tokenmill.spec.base import Proposer
+from tokenmill.spec.base import WorkerProposer
 from tokenmill.spec.drafter import Drafter, DraftStep, reaches
 
 logger = logging.getLogger("tokenmill")
 HEAD_FILE, HEAD_CONFIG = "mtp.safetensors", "mtp_config.json"
 
 
-class MTPProposer(Proposer):
-    """The host side of `mtp`: drafts come from the worker (MTPDrafter) with each step's output."""
+class MTPProposer(WorkerProposer):
     name = "mtp"
-    on_worker = True
-
-    def propose(self, request_id, token_ids, k):
-        raise RuntimeError("mtp drafts are made on the worker (RunnerOutput.draft_token_ids)")
 
 
 class MTPDrafter(Drafter):
