@@ -336,6 +336,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None           # CPU threads for the model: per rank in worker processes
     speculative: SpeculativeConfig | None = None   # None: one token per request per step
+    checkpoint_quant: object | None = None   # quant/prequantized.py CheckpointQuant of a pre-quantized checkpoint
 
 
 @dataclass
@@ -358,7 +359,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"          # "auto" | "cpu" | "reference" | "triton" (the CUDA path's)
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
-    quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8
+    quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8 | fp8
     native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
     greedy_screen: bool = True               # False: greedy steps compute every float32 logit (comparison)
     enforce_eager: bool = False              # True: no CUDA graphs (every step eager)
@@ -407,8 +408,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
                        help="auto: the platform's (cpu on the CPU, triton on CUDA)")
         g.add_argument("--num-threads", type=int, default=None)
-        g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
-                       help="weight quantization of every linear layer (default: none, fp32)")
+        g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "fp8"],
+                       help="weight quantization of every linear layer (default: none, fp32; a pre-quantized "
+                            "FP8 checkpoint: fp8)")
         g.add_argument("--no-native-decode-layers", dest="native_decode_layers", action="store_false",
                        help="run small decode steps op by op in Python instead of one native call per layer")
         g.add_argument("--no-greedy-screen", dest="greedy_screen", action="store_false",

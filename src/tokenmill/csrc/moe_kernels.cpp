@@ -1,7 +1,7 @@
 // See moe_kernels.h. Work items are (expert, block of 16 output rows), spread over the threads: a block's
 // weights (16 rows x K) stay in L1/L2 while every row of the expert's run passes over them, eight rows at
-// a time, each with its own accumulator: one weight vector load (int8: widened to float32 once) feeds
-// eight FMAs.
+// a time, each with its own accumulator: one weight vector load (int8 or FP8: widened to float32 once)
+// feeds eight FMAs. Scales: one per output row and run of `kblock` inputs (a whole row: kblock = K).
 #include "moe_kernels.h"
 
 #ifdef TOKENMILL_MOE_KERNELS
@@ -23,40 +23,62 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+struct Fp8 { uint8_t bits; };      // an E4M3 value (float8_e4m3fn), decoded in registers
+
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
+// E4M3 -> float32 exactly: the 7 magnitude bits shifted into float32's exponent|mantissa (exponent bias 127
+// instead of 7, so times 2^120; E4M3's subnormals land on float32 subnormals, which the multiply scales
+// exactly), then the sign. NaN (0x7F) is not decoded (checkpoints hold none).
+inline __m256 load8(const Fp8* w) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
 
-// out[i * ldo] = dot(x + i * K, w) for M rows of x (K a multiple of 8).
+// out[i * ldo] = sum over blocks b of dot(x + i * K, w)[block b] * scale[b], for M rows of x (K and kblock
+// multiples of 8).
 template <int M, class W>
-inline void dot_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, float scale) {
-  __m256 acc[M];
-  for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 wv = load8(w + k);
-    for (int i = 0; i < M; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k), acc[i]);
+inline void dot_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, const float* scale,
+                     int64_t kblock) {
+  float total[M] = {};
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
+    __m256 acc[M];
+    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + kblock);
+    for (int64_t k = k0; k < k1; k += 8) {
+      const __m256 wv = load8(w + k);
+      for (int i = 0; i < M; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k), acc[i]);
+    }
+    const float s = scale ? scale[b] : 1.0f;
+    for (int i = 0; i < M; i++) total[i] += hsum(acc[i]) * s;
   }
-  for (int i = 0; i < M; i++) out[i * ldo] = hsum(acc[i]) * scale;
+  for (int i = 0; i < M; i++) out[i * ldo] = total[i];
 }
 
 template <class W>
-inline void dot_any(int m, const float* x, int64_t K, const W* w, float* out, int64_t ldo, float scale) {
+inline void dot_any(int m, const float* x, int64_t K, const W* w, float* out, int64_t ldo, const float* scale,
+                    int64_t kblock) {
   switch (m) {
-    case 1: return dot_rows<1>(x, K, w, out, ldo, scale);
-    case 2: return dot_rows<2>(x, K, w, out, ldo, scale);
-    case 3: return dot_rows<3>(x, K, w, out, ldo, scale);
-    case 4: return dot_rows<4>(x, K, w, out, ldo, scale);
-    case 5: return dot_rows<5>(x, K, w, out, ldo, scale);
-    case 6: return dot_rows<6>(x, K, w, out, ldo, scale);
-    case 7: return dot_rows<7>(x, K, w, out, ldo, scale);
-    default: return dot_rows<8>(x, K, w, out, ldo, scale);
+    case 1: return dot_rows<1>(x, K, w, out, ldo, scale, kblock);
+    case 2: return dot_rows<2>(x, K, w, out, ldo, scale, kblock);
+    case 3: return dot_rows<3>(x, K, w, out, ldo, scale, kblock);
+    case 4: return dot_rows<4>(x, K, w, out, ldo, scale, kblock);
+    case 5: return dot_rows<5>(x, K, w, out, ldo, scale, kblock);
+    case 6: return dot_rows<6>(x, K, w, out, ldo, scale, kblock);
+    case 7: return dot_rows<7>(x, K, w, out, ldo, scale, kblock);
+    default: return dot_rows<8>(x, K, w, out, ldo, scale, kblock);
   }
 }
 
 template <class W>
 void grouped(const float* x, const int64_t* starts, const W* w, const float* scale, float* y, int64_t E,
-             int64_t N, int64_t K) {
+             int64_t N, int64_t K, int64_t kblock) {
+  const int64_t KB = (K + kblock - 1) / kblock;   // scales per output row
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   std::vector<int64_t> items;                 // e * blocks + b for experts with rows
   for (int64_t e = 0; e < E; e++)
@@ -68,9 +90,9 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
       const int64_t n1 = std::min(N, n0 + kBlockRows), r0 = starts[e], r1 = starts[e + 1];
       for (int64_t n = n0; n < n1; n++) {
         const W* wrow = w + (e * N + n) * K;
-        const float s = scale ? scale[e * N + n] : 1.0f;
+        const float* s = scale ? scale + (e * N + n) * KB : nullptr;
         for (int64_t r = r0; r < r1; r += kRowsPerPass)
-          dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s);
+          dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s, kblock);
       }
     }
   });
@@ -79,28 +101,35 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
 }  // namespace
 
 torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
-                               c10::optional<torch::Tensor> scale) {
+                               c10::optional<torch::Tensor> scale, int64_t kblock) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "moe_grouped_gemm: x must be contiguous float32 [R, K], got ", x.sizes());
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == x.size(1) && w.size(2) % 8 == 0,
               "moe_grouped_gemm: w must be contiguous [E, N, K] with K = x's columns, a multiple of 8; got ",
               w.sizes(), " for x ", x.sizes());
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2), R = x.size(0);
+  if (kblock <= 0) kblock = K;
+  TORCH_CHECK(kblock % 8 == 0 || kblock == K, "moe_grouped_gemm: kblock must be a multiple of 8");
+  const int64_t KB = (K + kblock - 1) / kblock;
   TORCH_CHECK(run_starts.scalar_type() == torch::kInt64 && run_starts.numel() == E + 1 &&
                   run_starts.is_contiguous(),
               "moe_grouped_gemm: run_starts must be int64 [E + 1]");
   const int64_t* starts = run_starts.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] == 0 && starts[E] == R, "moe_grouped_gemm: run_starts must go from 0 to the rows of x");
   auto y = torch::empty({R, N}, x.options());
+  const bool scaled = w.scalar_type() != torch::kFloat32;
+  TORCH_CHECK(!scaled || (scale.has_value() && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                          scale->numel() == E * N * KB),
+              "moe_grouped_gemm: int8 / FP8 weights need float32 scales [E, N, K / kblock]");
+  const float* s = scaled ? scale->data_ptr<float>() : nullptr;
   if (w.scalar_type() == torch::kInt8) {
-    TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
-                    scale->numel() == E * N,
-                "moe_grouped_gemm: int8 weights need float32 scales [E, N]");
-    grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), scale->data_ptr<float>(), y.data_ptr<float>(), E,
-            N, K);
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), s, y.data_ptr<float>(), E, N, K, kblock);
+  } else if (w.scalar_type() == at::kFloat8_e4m3fn) {
+    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp8*>(w.data_ptr()), s, y.data_ptr<float>(), E, N,
+            K, kblock);
   } else {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32 or int8");
-    grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), nullptr, y.data_ptr<float>(), E, N, K);
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32, int8 or float8_e4m3fn");
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), nullptr, y.data_ptr<float>(), E, N, K, kblock);
   }
   return y;
 }

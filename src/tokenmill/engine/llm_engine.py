@@ -20,6 +20,7 @@ from tokenmill.engine.replicas import ReplicatedCore
 from tokenmill.loaders import open_model_source
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platforms import resolve_platform
+from tokenmill.quant.prequantized import detect as detect_checkpoint_quant
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -100,7 +101,8 @@ class LLMEngine:
             quantization=args.quantization, native_decode_layers=args.native_decode_layers,
             greedy_screen=args.greedy_screen, enforce_eager=args.enforce_eager,
             cuda_graph_max_batch=args.cuda_graph_max_batch, parallel=args.parallel_config(),
-            num_threads=args.num_threads, speculative=SpeculativeConfig.parse(args.speculative_config))
+            num_threads=args.num_threads, speculative=SpeculativeConfig.parse(args.speculative_config),
+            checkpoint_quant=detect_checkpoint_quant(source.hf_config, source.path))
 
     def _log_startup(self) -> None:
         c = self.config

@@ -19,13 +19,14 @@ logger = logging.getLogger("tokenmill")
 
 
 def quantize_model(model: nn.Module, method: str | QuantMethod | None,
-                   quantize_tied_lm_head: bool | None = None) -> None:
+                   quantize_tied_lm_head: bool | None = None, keep_float=None) -> None:
     """Switch every `Linear` of a loaded model to `method` and pack its weights (None or a "float" method:
     the checkpoint's float weights, packed for the platform's float kernels, once, now).
 
     An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
     (`quantize_tied_lm_head`, overridable here); otherwise it keeps the float tensor it shares, computed
-    by the platform's float method. Embeddings are never quantized."""
+    by the platform's float method. Embeddings are never quantized. keep_float(prefix): layers that stay float
+    (those a pre-quantized checkpoint keeps in float)."""
     method = get_quant_method(method or "float") if method is None or isinstance(method, str) else method
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     if method.is_float:
@@ -38,7 +39,7 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     others: dict[str, QuantMethod] = {}
     plan = []
     for prefix, layer in chosen:
-        alt = method.method_for(prefix)
+        alt = "float" if keep_float is not None and keep_float(prefix) else method.method_for(prefix)
         plan.append((layer, method if alt is None else others.setdefault(alt, get_quant_method(alt, method.platform))))
     for (prefix, _), (layer, m) in zip(chosen, plan):
         layer.prefix = prefix
@@ -62,6 +63,20 @@ def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, mod
     if not direct:
         model.load_weights(weights)
     quantize_model(model, method)
+
+
+def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) -> None:
+    """A pre-quantized checkpoint (quant/prequantized.py): weights dequantized as read, then, for the
+    format's own method (fp8), quantized back with the checkpoint's scales (its exact codes) and the
+    layers it keeps in float kept so; another method quantizes the float weights as usual."""
+    from tokenmill.quant.prequantized import attach_scales, dequantized_weights, read_scales
+    scales = read_scales(iter_weights, fmt)
+    model.load_weights(dequantized_weights(iter_weights, fmt, scales))
+    if method is not None and method.name == fmt.method:
+        quantized = attach_scales(model, scales, fmt)
+        quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized)
+    else:
+        quantize_model(model, method)
 
 
 def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:

@@ -41,7 +41,13 @@ _LAYER_NAMES = {  # "blk.{i}.<key>.<weight|bias>" -> "model.layers.{i}.<value>.<
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",          # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",                 # MoE router
 }
+# MoE experts stacked in one GGUF tensor [E, rows, cols]: split into one HF tensor per expert
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}   # HF Mixtral's expert names
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SKIPPED = {"rope_freqs.weight"}  # llama3 rope scaling; folded into hf_config().rope_parameters
 _PERMUTED_ARCHS = ("llama", "mistral")  # convert_hf_to_gguf permutes Q/K rows for these, not qwen2
@@ -73,7 +79,7 @@ def unpermute_rows(t: ArrayT, n_head: int) -> ArrayT:
 
 
 class GGUFFile:
-    """One GGUF checkpoint of a supported architecture (llama, mistral, qwen2)."""
+    """One GGUF checkpoint of a supported architecture (llama, mistral, qwen2, mixtral, qwen3moe)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -96,16 +102,16 @@ class GGUFFile:
         Raises GGUFError before yielding anything if a tensor name is unknown or its type unsupported.
         """
         plan = self._plan(check_types=True)
-        for info, hf_name, n_head in plan:
-            tensor = self._dequantize(info)
+        for info, hf_name, n_head, expert in plan:
+            tensor = self._dequantize(info, expert)
             yield hf_name, (unpermute_rows(tensor, n_head).contiguous() if n_head else tensor)
 
     def iter_lazy(self):
         """(HF name, loaders/lazy.py GGUFTensor) for every weight: dequantized in part when read (a
         tensor-parallel rank's rows and columns), Q/K rows in HF order. Validates like iter_tensors."""
         from tokenmill.loaders.lazy import GGUFTensor
-        for info, hf_name, n_head in self._plan(check_types=True):
-            yield hf_name, GGUFTensor(self._raw(info), info.ggml_type, info.shape, n_head)
+        for info, hf_name, n_head, expert in self._plan(check_types=True):
+            yield hf_name, GGUFTensor(self._raw(info, expert), info.ggml_type, _shape(info, expert), n_head)
 
     def iter_raw(self) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
         """(HF name, ggml type name e.g. "Q4_1", HF logical shape, raw bytes) for every weight.
@@ -115,8 +121,8 @@ class GGUFFile:
         caller must apply `unpermute_rows(raw, n_head)` to q_proj (num_attention_heads) and k_proj
         (num_key_value_heads) weights and biases. Any ggml type is yielded, supported or not.
         """
-        for info, hf_name, _ in self._plan(check_types=False):
-            yield hf_name, ggml_type_name(info.ggml_type), info.shape, self._raw(info)
+        for info, hf_name, _, expert in self._plan(check_types=False):
+            yield hf_name, ggml_type_name(info.ggml_type), _shape(info, expert), self._raw(info, expert)
 
     def needs_unpermute(self, hf_name: str) -> int:
         """Heads to pass to `unpermute_rows` for this HF tensor name in iter_raw output; 0 if none."""
@@ -135,8 +141,9 @@ class GGUFFile:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _plan(self, check_types: bool) -> list[tuple[TensorInfo, str, int]]:
-        """[(tensor info, HF name, heads to un-permute or 0)] for all weights, validated up front."""
+    def _plan(self, check_types: bool) -> list[tuple[TensorInfo, str, int, int | None]]:
+        """[(tensor info, HF name, heads to un-permute or 0, expert index of a stacked MoE tensor or None)]
+        for all weights, validated up front."""
         plan = []
         for info in self.header.tensors.values():
             if info.name in _SKIPPED:
@@ -148,10 +155,21 @@ class GGUFFile:
             if check_types and not is_supported(info.ggml_type):
                 raise GGUFError(f"{self.path}: tensor {info.name!r} has ggml type {ggml_type_name(info.ggml_type)}, "
                                 f"which cannot be dequantized; supported: {', '.join(SUPPORTED_TYPES)}.")
-            plan.append((info, hf_name, self.needs_unpermute(hf_name)))
+            experts = range(info.shape[0]) if "{e}" in hf_name else [None]
+            for e in experts:
+                name = self._arch_name(hf_name.replace("{e}", str(e)))
+                plan.append((info, name, self.needs_unpermute(name), e))
         return plan
 
-    def _raw(self, info: TensorInfo) -> np.ndarray:
+    def _arch_name(self, hf_name: str) -> str:
+        """HF Mixtral names its MoE block block_sparse_moe and its experts' projections w1 / w3 / w2."""
+        if self.architecture != "mixtral" or ".mlp." not in hf_name:
+            return hf_name
+        for ours, theirs in _MIXTRAL_NAMES.items():
+            hf_name = hf_name.replace(f".{ours}.", f".{theirs}.")
+        return hf_name.replace(".mlp.", ".block_sparse_moe.")
+
+    def _raw(self, info: TensorInfo, expert: int | None = None) -> np.ndarray:
         try:
             row_bytes = row_nbytes(info.ggml_type, info.ggml_dims[0])
         except (KeyError, ValueError) as e:
@@ -162,13 +180,19 @@ class GGUFFile:
         end = start + n_rows * row_bytes
         if end > self.header.file_size_bytes:
             raise GGUFError(f"{self.path}: tensor {info.name!r} runs past the end of the file (truncated download?).")
-        return self._data[start:end].reshape(*info.shape[:-1], row_bytes)
+        raw = self._data[start:end].reshape(*info.shape[:-1], row_bytes)
+        return raw if expert is None else raw[expert]
 
-    def _dequantize(self, info: TensorInfo) -> torch.Tensor:
+    def _dequantize(self, info: TensorInfo, expert: int | None = None) -> torch.Tensor:
         if not is_supported(info.ggml_type):
             raise GGUFError(f"{self.path}: tensor {info.name!r} has unsupported ggml type "
                             f"{ggml_type_name(info.ggml_type)}; supported: {', '.join(SUPPORTED_TYPES)}.")
-        return dequantize(self._raw(info), info.ggml_type, info.shape)
+        return dequantize(self._raw(info, expert), info.ggml_type, _shape(info, expert))
+
+
+def _shape(info: TensorInfo, expert: int | None) -> tuple[int, ...]:
+    """HF shape of the tensor, or of one expert's part of a stacked MoE tensor."""
+    return tuple(info.shape) if expert is None else tuple(info.shape[1:])
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -176,7 +200,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or (match.group(2) not in _LAYER_NAMES and match.group(2) not in _EXPERT_NAMES):
         return None
     layer, key, kind = match.groups()
+    if key in _EXPERT_NAMES:                    # one HF tensor per expert: {e} filled in by the caller
+        return f"model.layers.{layer}.mlp.experts.{{e}}.{_EXPERT_NAMES[key]}.{kind}"
     return f"model.layers.{layer}.{_LAYER_NAMES[key]}.{kind}"

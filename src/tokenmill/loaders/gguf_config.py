@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
 from tokenmill.loaders.gguf_header import GGUFError, GGUFHeader
 
@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "mistral": (MistralConfig, "MistralForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM"),     # llama.cpp writes Mixtral as "llama" with experts
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
 }
 # Llama 3.1 / 3.2 rope scaling constants, tried first when recovering llama3 parameters
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
@@ -35,6 +37,8 @@ def architecture_of(header: GGUFHeader) -> str:
             f"{header.path}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
+    if arch == "llama" and int(header.metadata.get("llama.expert_count", 0) or 0) > 0:
+        return "mixtral"  # llama.cpp converts Mixtral with the llama architecture and expert tensors
     if arch == "llama" and "mistral" in str(header.metadata.get("general.name", "")).lower():
         return "mistral"  # llama.cpp converts Mistral models with the llama architecture
     return arch
@@ -49,9 +53,26 @@ def build_hf_config(header: GGUFHeader, rope_freqs: torch.Tensor | None) -> Pret
     kwargs["rope_parameters"] = _rope_parameters(header, kwargs, rope_freqs)
     kwargs["tie_word_embeddings"] = "output.weight" not in header.tensors
     kwargs["attention_bias"] = "blk.0.attn_q.bias" in header.tensors  # Qwen2 always has q/k/v bias
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # llama.cpp runs these files with full attention
+    kwargs.update(_moe_kwargs(header, arch))
     return config_cls(architectures=[hf_arch], **kwargs)
+
+
+def _moe_kwargs(header: GGUFHeader, arch: str) -> dict[str, Any]:
+    """Experts per layer and per token, and (Qwen3-MoE) the experts' width; llama.cpp runs every layer of
+    these files as MoE and renormalizes the chosen experts' weights."""
+    meta, gguf_arch = header.metadata, header.metadata["general.architecture"]
+    if arch not in ("mixtral", "qwen3moe"):
+        return {}
+    count, used = int(meta[f"{gguf_arch}.expert_count"]), int(meta[f"{gguf_arch}.expert_used_count"])
+    if arch == "mixtral":
+        return {"num_local_experts": count, "num_experts_per_tok": used}
+    width = int(meta.get(f"{gguf_arch}.expert_feed_forward_length", 0) or 0)
+    if not width:
+        raise GGUFError(f"{header.path}: GGUF metadata key '{gguf_arch}.expert_feed_forward_length' is missing.")
+    return {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": width,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _model_shape_kwargs(header: GGUFHeader) -> dict[str, Any]:
@@ -73,7 +94,8 @@ def _model_shape_kwargs(header: GGUFHeader) -> dict[str, Any]:
     return {
         "vocab_size": int(get("vocab_size", _embedding_rows(header))),
         "hidden_size": hidden_size,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", 0) or get("expert_feed_forward_length", 0) or 0) or
+                             _missing(header, f"{gguf_arch}.feed_forward_length"),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
@@ -81,6 +103,10 @@ def _model_shape_kwargs(header: GGUFHeader) -> dict[str, Any]:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(get("context_length")),
     }
+
+
+def _missing(header: GGUFHeader, key: str):
+    raise GGUFError(f"{header.path}: GGUF metadata key {key!r} is missing.")
 
 
 def _embedding_rows(header: GGUFHeader) -> int:

@@ -25,6 +25,8 @@ class SafetensorsSlice:
         self.shape = tuple(self._slice.get_shape())
 
     def read(self, rows: slice, cols: slice) -> torch.Tensor:
+        if len(self.shape) == 0:                  # a scalar (e.g. a per-tensor FP8 scale): whole
+            return self._slice[...]
         if len(self.shape) == 1:
             return self._slice[rows]
         return self._slice[rows, cols]

@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.layers.attention import get_backend
-from tokenmill.layers.quantize import load_and_quantize
+from tokenmill.layers.quantize import load_and_quantize, load_prequantized
 from tokenmill.models.registry import get_model_class
 from tokenmill.platforms import Platform, building
 from tokenmill.sample.rejection import verify
@@ -50,11 +50,17 @@ class ModelRunner:
     @staticmethod
     def _build_model(config: EngineConfig, weights, platform: Platform):
         t0 = time.perf_counter()
-        method = platform.quant_method(config.quantization, config.model.dtype)   # unknown: fails before loading
+        fmt = config.checkpoint_quant                     # a pre-quantized checkpoint's format, or None
+        name = config.quantization or (fmt.method if fmt is not None else None)
+        method = platform.quant_method(name, config.model.dtype)   # unknown: fails before loading
         try:
             with building(platform, config.model.dtype):
                 model = get_model_class(config.model.architecture)(config.model)
-            load_and_quantize(model, weights, method, config.model_path)
+            if fmt is not None:
+                from tokenmill.loaders import open_model_source
+                load_prequantized(model, open_model_source(config.model_path).iter_weights, fmt, method)
+            else:
+                load_and_quantize(model, weights, method, config.model_path)
             model.finish_loading(platform)
         except torch.OutOfMemoryError as e:
             raise MemoryError(f"{platform.device} ran out of memory loading the weights: the model needs about "

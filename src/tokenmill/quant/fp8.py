@@ -1,0 +1,85 @@
+"""FP8 E4M3 weights on the CPU: one byte a weight, decoded to float32 in the kernel (csrc/moe_kernels.cpp's
+grouped GEMM with one group: the 7 magnitude bits moved into float32's exponent and mantissa), times a
+float32 scale per output row and block of inputs:
+
+    w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel) or 128 (blocks)
+
+Activations stay float32: the exact reference of the format (this CPU has no FP8 arithmetic).
+
+Scales come from the checkpoint where it is pre-quantized (quant/prequantized.py attaches them to the layer
+as `checkpoint_fp8`: per shard of a fused layer, the strategy and the scale), so the codes are the
+checkpoint's own; otherwise (quantization="fp8" on a float checkpoint) per output channel, amax / 448.
+Without the native build, `apply` dequantizes the layer's weight per call (slow, exact)."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.base import QuantMethod
+
+E4M3_MAX = 448.0
+BLOCK = 128                       # DeepSeek's and compressed-tensors' block size (both dims)
+
+
+class FP8Method(QuantMethod):
+    name = "fp8"
+    quantize_tied_lm_head = False          # the head shares the embedding: kept float (as checkpoints do)
+
+    def check_shape(self, layer) -> None:
+        if layer.in_features % 8:
+            raise ValueError(f"fp8 quantization of {layer.prefix or 'a linear layer'} [{layer.out_features}, "
+                             f"{layer.in_features}] needs in_features a multiple of 8")
+
+    def process_weights_after_loading(self, layer) -> None:
+        w = layer.weight.data.float()
+        parts = getattr(layer, "checkpoint_fp8", None) or [(slice(0, w.shape[0]), "channel", None)]
+        kblock = BLOCK if any(strategy == "block" for _, strategy, _ in parts) else w.shape[1]
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(w.shape[0], -(-w.shape[1] // kblock))
+        for rows, strategy, scale in parts:
+            full = expand_scale(w[rows], strategy, scale, kblock)       # [n, K / kblock]
+            q[rows] = quantize_with(w[rows], full, kblock)
+            scales[rows] = full
+        layer.register_buffer("fp8_weight", q.unsqueeze(0).contiguous(), persistent=False)    # [1, N, K]
+        layer.register_buffer("fp8_scale", scales.unsqueeze(0).contiguous(), persistent=False)  # [1, N, KB]
+        layer.fp8_kblock = kblock
+        self.drop_float_weight(layer)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.platforms import cpu_native
+        native = cpu_native.load()
+        xf = x.float().contiguous()
+        if native is not None and hasattr(native, "moe_grouped_gemm"):
+            starts = torch.tensor([0, xf.shape[0]], dtype=torch.long)
+            y = native.moe_grouped_gemm(xf, starts, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock)
+        else:
+            y = torch.nn.functional.linear(xf, dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
+        return self.add_bias(layer, y)
+
+
+def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int) -> torch.Tensor:
+    """The scale of every (row, block of kblock inputs) of w [n, K]: from the checkpoint's per-tensor [1],
+    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale, or (None) amax / 448 per row."""
+    n, k = w.shape
+    kb = -(-k // kblock)
+    if scale is None:
+        amax = w.abs().amax(dim=1, keepdim=True)
+        return (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).expand(n, kb).contiguous()
+    scale = scale.float()
+    if strategy == "tensor":
+        return scale.reshape(1, 1).expand(n, kb).contiguous()
+    if strategy == "channel":
+        return scale.reshape(n, 1).expand(n, kb).contiguous()
+    if strategy == "block":                          # [ceil(n / 128), ceil(k / 128)] -> per row
+        return scale.repeat_interleave(BLOCK, dim=0)[:n, :kb].contiguous()
+    raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
+
+
+def quantize_with(w: torch.Tensor, scales: torch.Tensor, kblock: int) -> torch.Tensor:
+    """w [n, K] / scale per (row, block) -> float8_e4m3fn codes (round to nearest, saturating at 448)."""
+    full = scales.repeat_interleave(kblock, dim=1)[:, :w.shape[1]]
+    return (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, kblock: int) -> torch.Tensor:
+    """float8 codes [n, K] and scales [n, K / kblock] -> float32 weights."""
+    return q.float() * scales.repeat_interleave(kblock, dim=1)[:, :q.shape[1]]

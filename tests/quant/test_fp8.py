@@ -1,0 +1,170 @@
+"""FP8 E4M3 weights: the kernel decodes every code exactly; quantization="fp8" and checkpoints written here
+in compressed-tensors (tensor / channel / block scales), ModelOpt and DeepSeek (weight_scale_inv blocks)
+layouts give the logits of the reference dequantized model (transformers on the same dequantized weights)
+within 1e-4 relative and the same greedy tokens, keep the checkpoint's own codes, and keep the layers it
+keeps in float; unsupported schemes are rejected by name."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.quant.fp8 import BLOCK, E4M3_MAX
+
+PROMPT = [11, 220, 4890, 17, 9, 300, 5, 5, 1000, 2000, 3000, 4000]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_the_kernel_decodes_every_e4m3_code_exactly():
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantize import quantize_model
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0                                   # NaN codes: not weights
+    layer = Linear(256, 8)
+    layer.weight.data.zero_()
+    quantize_model(layer, "fp8")
+    layer.fp8_weight[0, 0] = codes.view(torch.float8_e4m3fn)
+    layer.fp8_scale.fill_(1.0)
+    y = layer(torch.eye(256))                                          # row i: code i decoded
+    assert torch.equal(y[:, 0], codes.view(torch.float8_e4m3fn).float())
+
+
+def _reference_logits(model_dir: str, weights: dict[str, torch.Tensor], ids) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, w in weights.items():
+            state[name].copy_(w)
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def _engine_logits(llm, ids) -> tuple[torch.Tensor, list[int]]:
+    from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+    model, n = llm.engine.core.runner.model, len(ids)
+    slots = torch.arange(n)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), slots, AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]))
+        logits = model.compute_logits(hidden[-1:])[0]
+    return logits, llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+
+
+def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) as the vendors lay them out: [1] per tensor, [N, 1] per channel, [N/128, K/128] blocks."""
+    if strategy == "tensor":
+        scale = (w.abs().max() / E4M3_MAX).reshape(1)
+        full = scale.expand_as(w)
+    elif strategy == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        full = scale.expand_as(w)
+    else:
+        n, k = w.shape
+        pad = torch.nn.functional.pad(w, (0, -k % BLOCK, 0, -n % BLOCK))
+        blocks = pad.view(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def _write_checkpoint(src: str, out: str, layout: str, strategy: str) -> dict[str, torch.Tensor]:
+    """The tiny float model at `src` re-saved at `out` in a vendor's FP8 layout (lm_head kept float, as they
+    do); returns the dequantized weights by HF name (the reference model's)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    scale_name = "weight_scale_inv" if layout == "deepseek" else "weight_scale"
+    tensors, dequantized = {}, {}
+    for name, t in state.items():
+        if name.endswith("proj.weight"):
+            q, scale = _quantize(t.float(), strategy)
+            tensors[name] = q
+            tensors[name[: -len("weight")] + scale_name] = scale if layout != "modelopt" else scale.reshape(())
+            tensors[name[: -len("weight")] + "input_scale"] = torch.ones(1)
+            full = _quantize(t.float(), strategy)[1]
+            dequantized[name] = q.float() * (full.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                                             [: t.shape[0], : t.shape[1]] if strategy == "block" else full)
+        else:
+            tensors[name] = t
+    os.remove(os.path.join(out, "model.safetensors"))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    if layout == "compressed-tensors":
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        if strategy == "block":
+            weights["block_structure"] = [128, 128]
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+                                      "ignore": ["lm_head"]}
+    elif layout == "deepseek":
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    else:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}},
+                  open(os.path.join(out, "hf_quant_config.json"), "w"))
+    json.dump(cfg, open(cfg_path, "w"))
+    return dequantized
+
+
+@pytest.mark.parametrize("layout,strategy", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
+                                             ("compressed-tensors", "block"), ("modelopt", "tensor"),
+                                             ("deepseek", "block")])
+def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, layout, strategy):
+    src = tiny_model_factory("llama", tie_word_embeddings=False, hidden_size=256, intermediate_size=384)
+    out = str(tmp_path / "fp8")
+    dequantized = _write_checkpoint(src, out, layout, strategy)
+    llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.quant_method.name == "fp8" and model.lm_head.quant_method.is_float   # kept float
+    from safetensors.torch import load_file
+    written = load_file(os.path.join(out, "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
+    k_rows = attn.qkv_proj.shard_rows("k")
+    assert torch.equal(attn.qkv_proj.fp8_weight[0, k_rows].view(torch.uint8), written.view(torch.uint8))
+    logits, tokens = _engine_logits(llm, PROMPT)
+    ref = _reference_logits(src, dequantized, PROMPT)
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+def test_quantization_fp8_on_a_float_checkpoint(tiny_model_factory):
+    from safetensors.torch import load_file
+    src = tiny_model_factory("llama", tie_word_embeddings=False)
+    ref_weights = {}
+    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            q, scale = _quantize(t.float(), "channel")
+            ref_weights[name] = q.float() * scale
+    llm = LLM(src, quantization="fp8", kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    logits, tokens = _engine_logits(llm, PROMPT)
+    ref = _reference_logits(src, ref_weights, PROMPT)
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    assert int(ref.argmax()) == tokens[0]
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}},
+     r"compressed-tensors scheme of group_0 \(weights num_bits=4, type=float, strategy=tensor_group\) is not supported"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 checkpoint format 'e5m2'"),
+])
+def test_unsupported_schemes_are_rejected_by_name(tiny_model_factory, tmp_path, config, message):
+    out = str(tmp_path / "q")
+    shutil.copytree(tiny_model_factory("llama"), out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    json.dump({**cfg, "quantization_config": config}, open(os.path.join(out, "config.json"), "w"))
+    with pytest.raises(ValueError, match=message):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
+
+
+def test_modelopt_nvfp4_is_rejected_by_name(tiny_model_factory, tmp_path):
+    out = str(tmp_path / "q")
+    shutil.copytree(tiny_model_factory("llama"), out)
+    json.dump({"quantization": {"quant_algo": "NVFP4"}}, open(os.path.join(out, "hf_quant_config.json"), "w"))
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
