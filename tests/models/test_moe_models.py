@@ -16,9 +16,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
 VARIANTS = {
     "mixtral": ("mixtral", {}),
-    "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-sparse-step": ("qwen3_moe", dict(num_hidden_layers=3, decoder_sparse_step=2, norm_topk_prob=False)),
-    "deepseek-v3": ("deepseek_v3", {}),
     "deepseek-v3-yarn": ("deepseek_v3", dict(rope_parameters=YARN)),
     # no q LoRA (q_proj whole, as DeepSeek-V2-Lite), rope in halves, one group, no shared expert, tied head
     "deepseek-v3-plain": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
@@ -46,9 +44,8 @@ def test_logits_match_transformers(tiny_model_factory, variant):
         check_request(model_dir, out, captured[out.request_id])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-def test_prefix_hits_keep_logits_exact(tiny_model_factory, arch):
-    model_dir = tiny_model_factory(arch)
+def test_prefix_hits_keep_logits_exact(tiny_model_factory):
+    model_dir = tiny_model_factory("deepseek_v3")
     llm = LLM(model_dir, block_size=4, kv_cache_memory_bytes=1 << 22)
     captured = capture_logits(llm)
     shared = prompts(2, [21])[0]
@@ -59,12 +56,12 @@ def test_prefix_hits_keep_logits_exact(tiny_model_factory, arch):
         check_request(model_dir, out, captured[out.request_id])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_preemption_reproduces_uninterrupted_tokens(tiny_model_factory, arch):
-    model_dir = tiny_model_factory(arch)
+def test_preemption_reproduces_uninterrupted_tokens(tiny_model_factory):
+    """Greedy: a preempted request's recomputed prefix gives its tokens again (a sampled one may not: its
+    recompute runs the prefix as a prefill, whose float sums differ in the last bits from the decodes')."""
+    model_dir = tiny_model_factory("deepseek_v3")
     ps = prompts(3, [9, 14, 6, 11])
-    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)] * 2 + \
-             [SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=i) for i in range(2)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
     roomy = LLM(model_dir, block_size=4, kv_cache_memory_bytes=1 << 22).generate(ps, params)
     probe = LLM(model_dir, block_size=4, kv_cache_memory_bytes=1 << 22)
     per_token = probe.engine.core.runner.kv_bytes_per_token()
@@ -104,9 +101,8 @@ def test_deepseek_v3_real_shape_latent_is_a_71st_of_full_kv():
     assert cfg.kv_bytes_per_token_all_ranks(8) == 8 * cfg.kv_bytes_per_token   # whole on every rank
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-def test_expert_token_counts_add_up(tiny_model_factory, arch):
-    model_dir = tiny_model_factory(arch)
+def test_expert_token_counts_add_up(tiny_model_factory):
+    model_dir = tiny_model_factory("deepseek_v3")
     llm = LLM(model_dir, block_size=4, kv_cache_memory_bytes=1 << 22)
     out = llm.generate(prompts(4, [7, 12]), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     cfg = llm.engine.config.model
@@ -131,8 +127,7 @@ def test_dense_models_report_no_expert_counts(tiny_model_dir):
     assert llm.engine.stats().expert_tokens is None
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("arch,quantization", [("mixtral", "int8"), ("mixtral", "w8a8"), ("deepseek_v3", "int4")])
 def test_quantized_experts_stay_close_to_float(tiny_model_factory, arch, quantization):
     """Every linear, routed and shared experts included, takes the method (the router and MLA's kv_b stay
     float). Relative error of the logits, measured: int8 0.02, w8a8 up to 0.045, int4 0.18 (Mixtral) and

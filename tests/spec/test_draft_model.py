@@ -1,10 +1,8 @@
 """The `draft_model` proposer: a separate draft model (its own cache in the pool) and self-speculation with
 the target's first layers (sharing its layers and cache): greedy outputs equal no speculation through
-chunked prefill, preemption and the mp executor, drafts proposed; a self-draft as deep as the target drafts
+chunked prefill and preemption, drafts proposed (the mp executor's path is test_mtp.py's); a self-draft as deep as the target drafts
 exactly the target's tokens (all accepted); clear errors for a bad layer count or another vocabulary."""
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -58,15 +56,6 @@ def test_a_draft_as_deep_as_the_target_is_always_accepted(tiny_model_factory, tm
     assert got == plain
     s = llm.engine.stats().spec_decode
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
-def test_self_speculation_through_the_mp_executor(tiny_model_factory):
-    model = tiny_model_factory("llama")
-    plain, _ = _tokens(model)
-    spec = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 1}
-    got, _ = _tokens(model, spec, tensor_parallel_size=2)
-    assert got == plain
 
 
 def test_bad_draft_configs_are_clear_errors(tiny_model_factory):

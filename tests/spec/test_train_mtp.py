@@ -19,36 +19,25 @@ def head(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama", tie_word_embeddings=False)
     out = str(tmp_path_factory.mktemp("mtp-head"))
     assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--max-tokens", "24",
-                 "--steps", "60", "--lr", "3e-3"]) == 0
+                 "--steps", "50", "--lr", "3e-3"]) == 0
     return model, out
 
 
 def test_train_mtp_writes_a_head_whose_loss_falls(head):
+    """The KL to the target falls over the steps on the same data."""
     _, out = head
     assert sorted(os.listdir(out)) == ["loss.png", "mtp.safetensors", "mtp_config.json"]
     meta = json.load(open(os.path.join(out, "mtp_config.json")))
-    assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 and meta["steps"] == 60
+    assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 and meta["steps"] == 50
     assert 0.0 <= meta["heldout_top1_agreement"] <= 1.0
+    curve = meta["loss_curve"]                      # the head learns the target's habits
+    assert len(curve) == 50 and sum(curve[-8:]) / 8 < 0.9 * sum(curve[:8]) / 8
     from tokenmill.spec.train_mtp import TrainResult  # noqa: F401 - the module imports without a GPU
     from safetensors import safe_open
     with safe_open(os.path.join(out, "mtp.safetensors"), "pt") as f:
         names = set(f.keys())
     assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
             "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"} <= names
-
-
-def test_training_lowers_the_loss(tiny_model_factory):
-    """Same data, the loss of the first steps against the last (the head learns the target's habits)."""
-    from tokenmill.loaders import open_model_source
-    from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, train
-    model = tiny_model_factory("llama", tie_word_embeddings=False)
-    cfg = TrainConfig(num_prompts=4, max_tokens=24, steps=80, lr=3e-3)
-    seqs = generate_sequences(LLM(model, kv_cache_memory_bytes=1 << 22), cfg)
-    source = open_model_source(model)
-    trainee = MTPTrainee(source.hf_config, target_weights(source, lambda n: not n.startswith("model.layers.0.")))
-    result = train(trainee, seqs, cfg)
-    first, last = sum(result.losses[:8]) / 8, sum(result.losses[-8:]) / 8
-    assert last < 0.9 * first
 
 
 def test_mtp_loads_the_trained_head_and_keeps_greedy_outputs(head):

@@ -53,7 +53,8 @@ def cmd_train_mtp(ns) -> int:
     save_file(model.state_for_save(), os.path.join(ns.out, HEAD_FILE))
     meta = {"architecture": architecture, "target": source.path, "quantization": ns.quantization,
             "steps": cfg.steps, "sequences": len(seqs), "tokens": result.tokens, "final_loss": result.losses[-1],
-            "heldout_top1_agreement": result.accuracy, "seconds": round(time.perf_counter() - t0, 1)}
+            "heldout_top1_agreement": result.accuracy, "seconds": round(time.perf_counter() - t0, 1),
+            "loss_curve": [round(x, 5) for x in result.losses]}
     with open(os.path.join(ns.out, HEAD_CONFIG), "w") as f:
         json.dump(meta, f, indent=2)
     plot_losses(result.losses, os.path.join(ns.out, "loss.png"))
