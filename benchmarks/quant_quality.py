@@ -100,9 +100,11 @@ def chunk_of(path: str) -> int | None:
     return PATHS[path]
 
 
-def evaluate(modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate(modes: list[str], full: bool = True) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {path: {ppl, ppl_rise, teacher_forced}}, plus "prefix"} with "fp32" as the reference: its
-    one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by float rounding)."""
+    one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by float rounding).
+    full=False leaves out what only the printed table shows (fp32's own paths, each mode's free-running
+    prefix agreement): tests/quant/test_quality.py's checks."""
     with open(TEXT_PATH, encoding="utf-8") as f:
         text = f.read()
     llm = make_llm(None)
@@ -110,7 +112,7 @@ def evaluate(modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ref_ppl, ref_out = perplexity(llm, text_ids), greedy(llm, prompt_ids)
     results = {"fp32": {}}
-    for path in PATHS:
+    for path in (PATHS if full else ()):
         ppl = perplexity(llm, text_ids, chunk_of(path))
         results["fp32"][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
                                      teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out, chunk_of(path)))
@@ -124,7 +126,8 @@ def evaluate(modes: list[str]) -> dict[str, dict[str, dict[str, float]]]:
             results[mode][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
                                        teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out,
                                                                                chunk_of(path)))
-        results[mode]["prefix"] = prefix_agreement(greedy(llm, prompt_ids), ref_out)
+        if full:
+            results[mode]["prefix"] = prefix_agreement(greedy(llm, prompt_ids), ref_out)
         del llm
     return results
 

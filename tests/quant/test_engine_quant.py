@@ -49,5 +49,5 @@ def test_quantized_engine_generates_close_to_float32(tiny_model_factory, variant
 
 
 def test_unknown_quantization_fails_before_loading(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown quantization 'fp8' on cpu; supported there: int4, int8, w8a8"):
-        LLM(tiny_model_dir, quantization="fp8")
+    with pytest.raises(ValueError, match="unknown quantization 'nvfp4' on cpu; supported there: fp8, int4, int8, w8a8"):
+        LLM(tiny_model_dir, quantization="nvfp4")

@@ -22,7 +22,7 @@ def load_quality_module():
 
 @pytest.mark.slow
 def test_quantized_modes_keep_quality():
-    results = load_quality_module().evaluate(["int8", "int4", "w8a8"])
+    results = load_quality_module().evaluate(["int8", "int4", "w8a8"], full=False)
     for mode in ("int8", "int4", "w8a8"):
         for path in ("prefill", "decode"):
             r, name = results[mode][path], f"{mode} ({path} path)"

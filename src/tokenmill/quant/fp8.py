@@ -22,7 +22,9 @@ BLOCK = 128                       # DeepSeek's and compressed-tensors' block siz
 
 class FP8Method(QuantMethod):
     name = "fp8"
-    quantize_tied_lm_head = False          # the head shares the embedding: kept float (as checkpoints do)
+    # quantization="fp8" on a float checkpoint quantizes a tied head too (a separate FP8 copy: the head's
+    # bytes dominate small models' decode steps); pre-quantized checkpoints keep whatever they keep float
+    quantize_tied_lm_head = True
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
