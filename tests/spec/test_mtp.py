@@ -111,3 +111,28 @@ def test_mtp_through_the_mp_executor_with_tensor_parallel(mtp_model):
 def test_mtp_without_mtp_layers_is_a_clear_error(tiny_model_factory):
     with pytest.raises(ValueError, match="has no MTP layers .*tokenmill train-mtp"):
         _llm(tiny_model_factory("deepseek_v3"))
+
+
+def test_mtp_layers_of_an_fp8_checkpoint_are_dequantized(mtp_model, tmp_path):
+    """DeepSeek ships its MTP layers in FP8 blocks like the rest: they load dequantized by their scales."""
+    import json
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / "fp8")
+    shutil.copytree(mtp_model, path)
+    shard = os.path.join(path, "model-mtp.safetensors")
+    tensors = load_file(shard)
+    w = tensors["model.layers.3.eh_proj.weight"]
+    scale = (w.abs().max() / 448.0).reshape(1, 1)                     # one 128x128 block covers it
+    tensors["model.layers.3.eh_proj.weight"] = (w / scale).to(torch.float8_e4m3fn)
+    tensors["model.layers.3.eh_proj.weight_scale_inv"] = scale
+    save_file(tensors, shard)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    llm = _llm(path)
+    want = tensors["model.layers.3.eh_proj.weight"].float() * scale
+    x = torch.randn(3, want.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = llm.engine.core.runner.drafter.layer.eh_proj(x)
+    torch.testing.assert_close(got, x @ want.T, rtol=1e-5, atol=1e-5)
+    assert _tokens(llm) == _tokens(_llm(path, None))

@@ -122,9 +122,19 @@ def mtp_weights(config, target):
     if path:
         return _head_weights(path, config.model.architecture)
     prefix = f"model.layers.{config.model.num_layers}."
-    weights = [] if config.model.num_mtp_layers < 1 else \
-        [(name[len(prefix):], read_part(t, slice(None), slice(None)))      # only the MTP layer's are read
-         for name, t in open_model_source(config.model_path).iter_weights() if name.startswith(prefix)]
+    source = open_model_source(config.model_path)
+
+    def layer_tensors():                                 # lazy: only the MTP layer's tensors are read
+        return ((name[len(prefix):], t) for name, t in source.iter_weights() if name.startswith(prefix))
+    fmt = config.checkpoint_quant                        # DeepSeek's FP8 checkpoints: dequantize as read
+    if config.model.num_mtp_layers < 1:
+        weights = []
+    elif fmt is not None:
+        from tokenmill.quant.prequantized import dequantized_weights, read_scales
+        weights = [(name, t if isinstance(t, torch.Tensor) else read_part(t, slice(None), slice(None)))
+                   for name, t in dequantized_weights(layer_tensors, fmt, read_scales(layer_tensors, fmt))]
+    else:
+        weights = [(name, read_part(t, slice(None), slice(None))) for name, t in layer_tensors()]
     if not weights:
         raise ValueError(f"speculative method 'mtp': {config.model_path} has no MTP layers (num_nextn_predict_"
                          f"layers {config.model.num_mtp_layers}, no {prefix}* tensors); give a head "
