@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.parallel_state import expert_parallel, split_evenly
 from tokenmill.layers.moe import SparseMoeBlock, expert_token_counts, moe_blocks
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.models.weights import load_named_weights
@@ -35,8 +36,11 @@ class MoEMixin:
     def other_ranks_expert(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to an expert another expert-parallel rank holds."""
         m = _EXPERT.search(name)
-        blocks = moe_blocks(self)
-        return m is not None and bool(blocks) and not blocks[0].owns(int(m.group(1)))
+        if m is None:
+            return False
+        ep = expert_parallel()                      # every MoE layer splits its experts the same way
+        first, count = split_evenly(self.config.moe.num_experts, ep.size, ep.rank)
+        return not first <= int(m.group(1)) < first + count
 
     def finish_loading(self, platform) -> None:
         for moe in moe_blocks(self):
