@@ -20,6 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from tokenmill.loaders.gguf_config import architecture_of, build_hf_config
+from tokenmill.loaders.gguf_deepseek import merge_kv_b
 from tokenmill.loaders.gguf_dequant import SUPPORTED_TYPES, dequantize, ggml_type_name, is_supported, row_nbytes
 from tokenmill.loaders.gguf_header import GGUFError, GGUFHeader, TensorInfo, read_header
 from tokenmill.loaders.gguf_tokenizer import load_gguf_tokenizer
@@ -44,11 +45,22 @@ _LAYER_NAMES = {  # "blk.{i}.<key>.<weight|bias>" -> "model.layers.{i}.<value>.<
     "attn_q_norm": "self_attn.q_norm",          # Qwen3
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",                 # MoE router
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",   # DeepSeek-V3 shared experts
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "attn_q_a": "self_attn.q_a_proj",           # DeepSeek-V3 MLA
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",         # older deepseek2 files; newer split it (see _MergedKVB)
 }
+_WHOLE_LAYER_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}  # DeepSeek-V3 router bias
 # MoE experts stacked in one GGUF tensor [E, rows, cols]: split into one HF tensor per expert
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}   # HF Mixtral's expert names
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_KV_B_PARTS = ("attn_k_b", "attn_v_b")  # deepseek2: kv_b_proj split per head, merged back on read
 _SKIPPED = {"rope_freqs.weight"}  # llama3 rope scaling; folded into hf_config().rope_parameters
 _PERMUTED_ARCHS = ("llama", "mistral")  # convert_hf_to_gguf permutes Q/K rows for these, not qwen2
 
@@ -79,7 +91,7 @@ def unpermute_rows(t: ArrayT, n_head: int) -> ArrayT:
 
 
 class GGUFFile:
-    """One GGUF checkpoint of a supported architecture (llama, mistral, qwen2, mixtral, qwen3moe)."""
+    """One GGUF checkpoint of a supported architecture (llama, mistral, qwen2, mixtral, qwen3moe, deepseek2)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -145,21 +157,41 @@ class GGUFFile:
         """[(tensor info, HF name, heads to un-permute or 0, expert index of a stacked MoE tensor or None)]
         for all weights, validated up front."""
         plan = []
-        for info in self.header.tensors.values():
+        for info in self._sources():
             if info.name in _SKIPPED:
                 continue
             hf_name = hf_tensor_name(info.name)
             if hf_name is None:
                 raise GGUFError(f"{self.path}: tensor {info.name!r} has no Hugging Face name mapping "
                                 f"for architecture {self.architecture!r}.")
-            if check_types and not is_supported(info.ggml_type):
-                raise GGUFError(f"{self.path}: tensor {info.name!r} has ggml type {ggml_type_name(info.ggml_type)}, "
-                                f"which cannot be dequantized; supported: {', '.join(SUPPORTED_TYPES)}.")
+            if check_types:
+                for part in getattr(info, "parts", (info,)):
+                    if not is_supported(part.ggml_type):
+                        raise GGUFError(f"{self.path}: tensor {part.name!r} has ggml type "
+                                        f"{ggml_type_name(part.ggml_type)}, which cannot be dequantized; "
+                                        f"supported: {', '.join(SUPPORTED_TYPES)}.")
             experts = range(info.shape[0]) if "{e}" in hf_name else [None]
             for e in experts:
                 name = self._arch_name(hf_name.replace("{e}", str(e)))
                 plan.append((info, name, self.needs_unpermute(name), e))
         return plan
+
+    def _sources(self) -> list:
+        """The file's tensors, with each layer's attn_k_b + attn_v_b (deepseek2) as one _MergedKVB."""
+        tensors = self.header.tensors
+        sources = []
+        for name, info in tensors.items():
+            match = _LAYER_RE.match(name)
+            if match is None or match.group(2) not in _KV_B_PARTS:
+                sources.append(info)
+            elif match.group(2) == "attn_k_b":
+                v_name = name.replace(".attn_k_b.", ".attn_v_b.")
+                if v_name not in tensors:
+                    raise GGUFError(f"{self.path}: tensor {name!r} has no {v_name!r} beside it.")
+                sources.append(_MergedKVB(info, tensors[v_name]))
+            elif name.replace(".attn_v_b.", ".attn_k_b.") not in tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} has no attn_k_b beside it.")
+        return sources
 
     def _arch_name(self, hf_name: str) -> str:
         """HF Mixtral names its MoE block block_sparse_moe and its experts' projections w1 / w3 / w2."""
@@ -170,6 +202,9 @@ class GGUFFile:
         return hf_name.replace(".mlp.", ".block_sparse_moe.")
 
     def _raw(self, info: TensorInfo, expert: int | None = None) -> np.ndarray:
+        if isinstance(info, _MergedKVB):
+            merged = merge_kv_b(self._dequantize(info.k_b), self._dequantize(info.v_b))
+            return merged.numpy().view(np.uint8)          # F32 rows [H * (nope + v), rank * 4]
         try:
             row_bytes = row_nbytes(info.ggml_type, info.ggml_dims[0])
         except (KeyError, ValueError) as e:
@@ -190,6 +225,18 @@ class GGUFFile:
         return dequantize(self._raw(info, expert), info.ggml_type, _shape(info, expert))
 
 
+class _MergedKVB:
+    """DeepSeek's kv_b_proj.weight read from llama.cpp's split attn_k_b / attn_v_b: float32, merged when read
+    (see loaders/gguf_deepseek.py)."""
+    ggml_type = 0                                   # GGMLQuantizationType.F32: what _raw returns
+
+    def __init__(self, k_b: TensorInfo, v_b: TensorInfo) -> None:
+        self.k_b, self.v_b, self.parts = k_b, v_b, (k_b, v_b)
+        self.name = k_b.name.replace(".attn_k_b.", ".attn_kv_b.")
+        heads, rank, nope = k_b.shape
+        self.shape = (heads * (nope + v_b.shape[1]), rank)
+
+
 def _shape(info: TensorInfo, expert: int | None) -> tuple[int, ...]:
     """HF shape of the tensor, or of one expert's part of a stacked MoE tensor."""
     return tuple(info.shape) if expert is None else tuple(info.shape[1:])
@@ -199,6 +246,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     """GGUF tensor name -> HF checkpoint name, or None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer, _, rest = gguf_name.removeprefix("blk.").partition(".")
+    if gguf_name.startswith("blk.") and rest in _WHOLE_LAYER_NAMES:
+        return f"model.layers.{layer}.{_WHOLE_LAYER_NAMES[rest]}"
     match = _LAYER_RE.match(gguf_name)
     if match is None or (match.group(2) not in _LAYER_NAMES and match.group(2) not in _EXPERT_NAMES):
         return None

@@ -1,4 +1,5 @@
-"""Hugging Face config from GGUF metadata (llama.cpp key names) for llama, mistral and qwen2.
+"""Hugging Face config from GGUF metadata (llama.cpp key names) for llama, mistral, qwen2, mixtral,
+qwen3moe and deepseek2 (the last in gguf_deepseek.py).
 
 llama.cpp's converter writes `{arch}.embedding_length`, `{arch}.attention.head_count`, ... and the
 tokenizer's special ids under `tokenizer.ggml.*`. Llama 3 rope scaling is not in the metadata: the
@@ -12,8 +13,9 @@ import math
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
+from tokenmill.loaders.gguf_deepseek import deepseek2_config_kwargs
 from tokenmill.loaders.gguf_header import GGUFError, GGUFHeader
 
 # GGUF general.architecture -> (HF config class, HF architecture name)
@@ -23,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "mixtral": (MixtralConfig, "MixtralForCausalLM"),     # llama.cpp writes Mixtral as "llama" with experts
     "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    "deepseek2": (DeepseekV3Config, "DeepseekV3ForCausalLM"),  # V3 / R1 only: see gguf_deepseek.py
 }
 # Llama 3.1 / 3.2 rope scaling constants, tried first when recovering llama3 parameters
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
@@ -48,9 +51,10 @@ def build_hf_config(header: GGUFHeader, rope_freqs: torch.Tensor | None) -> Pret
     """rope_freqs: the dequantized `rope_freqs.weight` tensor [head_dim // 2], or None if absent."""
     arch = architecture_of(header)
     config_cls, hf_arch = SUPPORTED_ARCHITECTURES[arch]
-    kwargs = _model_shape_kwargs(header)
+    kwargs = deepseek2_config_kwargs(header) if arch == "deepseek2" else _model_shape_kwargs(header)
     kwargs.update(_token_id_kwargs(header.metadata))
-    kwargs["rope_parameters"] = _rope_parameters(header, kwargs, rope_freqs)
+    if arch != "deepseek2":
+        kwargs["rope_parameters"] = _rope_parameters(header, kwargs, rope_freqs)
     kwargs["tie_word_embeddings"] = "output.weight" not in header.tensors
     kwargs["attention_bias"] = "blk.0.attn_q.bias" in header.tensors  # Qwen2 always has q/k/v bias
     if arch in ("mistral", "mixtral"):
