@@ -85,6 +85,27 @@ def median_rate(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, float
     return wall, sum(len(t) for t in runs[0][1]) / wall
 
 
+def compare_kv_cache_dtypes(LLM, engine_kwargs: dict, kv_dtypes: list[str], prompts, args) -> None:
+    """One engine per KV cache dtype, runs interleaved; wall-clock medians and rates against the first."""
+    engines = {d: LLM(**engine_kwargs, kv_cache_dtype=d) for d in kv_dtypes}
+    runs: dict[str, list] = {d: [] for d in kv_dtypes}
+    for llm in engines.values():
+        run_tokenmill(llm, prompts[:2], 4)  # warm-up
+    for i in range(args.runs):
+        for d, llm in engines.items():
+            runs[d].append(run_tokenmill(llm, prompts, args.output_len))
+        print(f"run {i + 1}: " + ", ".join(f"{d} {runs[d][-1][0]:.2f} s" for d in kv_dtypes), flush=True)
+    print(f"workload: {args.num_requests} requests x {args.prompt_len} -> {args.output_len}, greedy, default model, "
+          f"{args.quantization or 'fp32'} weights; median of {args.runs} runs")
+    base = median_rate(runs[kv_dtypes[0]])[1]
+    for d in kv_dtypes:
+        wall, rate = median_rate(runs[d])
+        same = sum(a == b for a, b in zip(runs[d][0][1], runs[kv_dtypes[0]][0][1]))
+        print(f"kv {d:8s} wall {wall:7.2f} s  output {rate:7.1f} tok/s  {rate / base:.3f}x  greedy outputs "
+              f"identical to {kv_dtypes[0]}'s: {same} of {len(prompts)}  (runs: "
+              + ", ".join(f"{w:.2f}" for w, _ in runs[d]) + ")")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -93,6 +114,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtypes", default="auto",
+                    help="comma-separated KV cache dtypes (auto,fp8): one engine each, runs interleaved, "
+                         "each's rate as a ratio to the first")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")
     args = ap.parse_args()
@@ -102,7 +126,11 @@ def main() -> None:
     engine_kwargs = dict(enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.quantization:
         engine_kwargs["quantization"] = args.quantization
-    llm = LLM(**engine_kwargs)
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    if len(kv_dtypes) > 1:
+        compare_kv_cache_dtypes(LLM, engine_kwargs, kv_dtypes, prompts, args)
+        return
+    llm = LLM(**engine_kwargs, kv_cache_dtype=kv_dtypes[0])
     run_tokenmill(llm, prompts[:2], 4)  # warm-up
     model = None if args.skip_peer else load_transformers_model()
     if model is not None:

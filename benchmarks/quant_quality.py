@@ -41,7 +41,11 @@ NUM_TOKENS = 32
 
 
 def make_llm(mode: str | None):
+    """mode: a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the one-pass
+    prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache)."""
     from tokenmill import LLM
+    if mode == "fp8-kv":
+        return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
     return LLM(quantization=mode, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
 
 

@@ -80,6 +80,7 @@ class ModelConfig:
     mla: MLAConfig | None = None     # None: grouped-query attention with K/V heads
     qk_norm: bool = False            # RMSNorm on each q and k head before rotary (Qwen3)
     num_mtp_layers: int = 0          # DeepSeek's multi-token-prediction layers after the main ones
+    kv_cache_dtype: torch.dtype | None = None   # None: dtype; torch.float8_e4m3fn: the FP8 cache (fp8_kv.py)
 
     @classmethod
     def from_hf(cls, hf_config, dtype: torch.dtype = torch.float32) -> "ModelConfig":
@@ -125,7 +126,12 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """The KV cache of every layer for one token, in bytes: K and V per kv head, or MLA's latent."""
         per_layer = self.mla.latent_dim if self.mla is not None else 2 * self.kv_size
-        return self.num_layers * per_layer * self.dtype.itemsize
+        return self.num_layers * per_layer * self.cache_dtype.itemsize
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the compute dtype, or float8_e4m3fn with kv_cache_dtype="fp8"."""
+        return self.kv_cache_dtype or self.dtype
 
     def kv_bytes_per_token_all_ranks(self, tensor_parallel_size: int) -> int:
         """The cache bytes one token takes summed over the tensor-parallel ranks: K/V heads are split
@@ -195,6 +201,17 @@ def _as_tuple(x) -> tuple[int, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+# kv_cache_dtype option -> what the cache stores (None: the model's dtype); FP8 as layers/attention/fp8_kv.py
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {sorted(KV_CACHE_DTYPES)} "
+                         "('auto': the model's dtype; 'fp8' = 'fp8_e4m3': one byte a value with per-head scales)")
+    return KV_CACHE_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -351,6 +368,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None # KV pool size; overrides the fraction
     kv_cache_memory_fraction: float = 0.25   # CPU: of currently available memory
     gpu_memory_utilization: float = 0.9      # GPU: fraction of the device for weights, KV cache, activations
+    kv_cache_dtype: str = "auto"             # "auto": the model's dtype | "fp8" (= "fp8_e4m3"): 1 byte a value
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0    # largest prefill chunk per request per step; 0: the budget
@@ -360,6 +378,7 @@ class EngineArgs:
     attention_backend: str = "auto"          # "auto" | "cpu" | "reference" | "triton" (the CUDA path's)
     num_threads: int | None = None           # torch intra-op threads; None: leave as is
     quantization: str | None = None          # weight quantization of every linear layer: int8 | int4 | w8a8 | fp8
+                                             # | nvfp4 | mxfp4
     native_decode_layers: bool = True        # False: decode steps run the per-op Python path (comparison)
     greedy_screen: bool = True               # False: greedy steps compute every float32 logit (comparison)
     enforce_eager: bool = False              # True: no CUDA graphs (every step eager)
@@ -392,6 +411,9 @@ class EngineArgs:
                        help="CPU: the KV pool's share of the memory available after loading")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="GPU: the share of the device's memory for weights, KV cache and activations")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="KV cache storage: auto (the model's dtype) or fp8 (E4M3 with per-head scales from "
+                            "the checkpoint or calibrated on the first tokens)")
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--long-prefill-token-threshold", type=int, default=0,
@@ -408,7 +430,7 @@ class EngineArgs:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
                        help="auto: the platform's (cpu on the CPU, triton on CUDA)")
         g.add_argument("--num-threads", type=int, default=None)
-        g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "fp8"],
+        g.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "fp8", "nvfp4", "mxfp4"],
                        help="weight quantization of every linear layer (default: none, fp32; a pre-quantized "
                             "FP8 checkpoint: fp8)")
         g.add_argument("--no-native-decode-layers", dest="native_decode_layers", action="store_false",

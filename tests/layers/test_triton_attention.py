@@ -118,3 +118,41 @@ def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_
             assert tri.outputs[0].token_ids == ref.outputs[0].token_ids
             for a, b in zip(tri.outputs[0].logprobs, ref.outputs[0].logprobs):
                 assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-4
+
+
+def _fp8(k_cache, v_cache):
+    """(float8 caches, their KVScales, the float caches they decode to) from float caches."""
+    from tokenmill.layers.attention.fp8_kv import KVScales, dequantize, write_fp8_cache
+    k8, v8 = torch.zeros_like(k_cache, dtype=torch.float8_e4m3fn), torch.zeros_like(v_cache, dtype=torch.float8_e4m3fn)
+    scales = KVScales(k_cache.shape[0])
+    slots = torch.arange(k_cache.shape[1])
+    write_fp8_cache(k_cache.transpose(0, 1) * 5, v_cache.transpose(0, 1) / 5, k8, v8, slots, scales)
+    return k8, v8, scales, dequantize(k8, scales.k), dequantize(v8, scales.v)
+
+
+def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
+    """kv_cache_dtype="fp8": the kernels decode the cache's bytes in place (times each kv head's scale) to
+    exactly the values the reference backend dequantizes: decode (with context splits) and prefill chunks."""
+    head_dim, block_size, num_blocks, kv_heads, group = 64, 8, 30, 2, 2
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=5)
+    k8, v8, scales, k_ref, v_ref = _fp8(k_cache, v_cache)
+    scale = head_dim ** -0.5
+    context_lens = [40, 3, 64]
+    tables = _tables(context_lens, block_size, num_blocks, g)
+    q = torch.randn(3, kv_heads * group, head_dim, generator=g)
+    ref = _reference(q, k_ref, v_ref, tables, [0, 1, 2], [1, 1, 1], context_lens, block_size, scale)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = paged_decode_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE),
+                                 block_size, scale, num_splits=3, kv_scales=scales.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    chunks = [(7, 9), (0, 33)]
+    query_lens, ctx = [n for _, n in chunks], [s + n for s, n in chunks]
+    starts = [0, query_lens[0]]
+    tables = _tables(ctx, block_size, num_blocks, g)
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    ref = _reference(q, k_ref, v_ref, tables, starts, query_lens, ctx, block_size, scale)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = paged_prefill_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE), as_tensor(starts),
+                                  as_tensor(query_lens), as_tensor(ctx), block_size, scale, max(query_lens),
+                                  kv_scales=scales.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@
 #include "greedy_head.h"
 #include "prefill_attention.h"
 #include "moe_kernels.h"
+#include "fp8_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -399,6 +400,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("paged_decode_attention_fp8", &paged_decode_attention_fp8,
+        "paged decode attention over an FP8 (E4M3) KV cache with per-kv-head scales (CPU)");
   m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of prefill chunks from the paged cache, into out's rows (CPU, float32)", py::arg("q"),

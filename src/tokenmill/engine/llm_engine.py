@@ -11,7 +11,8 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                              kv_cache_torch_dtype)
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.engine.calibration import seed_step_model
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -85,11 +86,15 @@ class LLMEngine:
     def _make_config(self, args: EngineArgs, source) -> EngineConfig:
         model = ModelConfig.from_hf(source.hf_config, args.torch_dtype(self.platform.default_dtype))
         eos = tuple(dict.fromkeys(model.eos_token_ids + source.extra_eos_ids))
-        model = replace(model, eos_token_ids=eos)
+        model = replace(model, eos_token_ids=eos, kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype))
+        if model.kv_cache_dtype is not None and model.mla is not None:
+            raise ValueError("kv_cache_dtype='fp8' is not supported for MLA models (DeepSeek's latent cache) yet; "
+                             "use kv_cache_dtype='auto'")
         max_len = args.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
+        backend = self.platform.attention_backend_name(args.attention_backend)
         cache = CacheConfig(args.block_size, 0, args.enable_prefix_caching, args.kv_cache_memory_bytes,
                             args.kv_cache_memory_fraction, args.gpu_memory_utilization)
         return EngineConfig(
@@ -97,7 +102,7 @@ class LLMEngine:
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                       args.long_prefill_token_threshold, args.scheduling_policy),
             seed=args.seed, device=str(self.platform.device),
-            attention_backend=self.platform.attention_backend_name(args.attention_backend),
+            attention_backend=backend,
             quantization=args.quantization, native_decode_layers=args.native_decode_layers,
             greedy_screen=args.greedy_screen, enforce_eager=args.enforce_eager,
             cuda_graph_max_batch=args.cuda_graph_max_batch, parallel=args.parallel_config(),

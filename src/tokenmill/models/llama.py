@@ -42,6 +42,7 @@ class LlamaAttention(nn.Module):
         self.backend: AttentionBackend | None = None   # bound by the model runner
         self.k_cache: torch.Tensor | None = None       # [num_kv_heads, num_slots, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales = None                          # fp8_kv.KVScales when the cache is FP8 (bound with it)
 
     def cache_spec(self) -> KVCacheSpec:
         return kv_heads_spec(self.num_kv_heads, self.head_dim)
@@ -58,7 +59,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = self.rotary(rope, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
         if keep_rows is not None:
             out = out[keep_rows]
         return self.o_proj(out)

@@ -24,6 +24,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for name, tensor in weights:
         if skipped(name) or name.endswith(tuple(ignored_suffixes)):
             continue
+        if _take_kv_scale(modules, name, tensor):
+            continue
         param_name, shard = _resolve(name, stacked)
         if param_name not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}: the model has no parameter for it")
@@ -33,6 +35,28 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing tensors for: {shown}")
+
+
+# FP8 KV cache scales a checkpoint may carry per attention layer (ModelOpt / vLLM names; compressed-tensors'
+# output scales of k_proj / v_proj): kept on the attention module for kv_cache_dtype="fp8", else unused
+_KV_SCALE_NAMES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v",
+                   "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v"}
+
+
+def _take_kv_scale(modules, name: str, tensor) -> bool:
+    for suffix, which in _KV_SCALE_NAMES.items():
+        if name.endswith("." + suffix):
+            attention = modules.get(name[: -len(suffix)] + "self_attn")
+            if attention is None:
+                raise ValueError(f"checkpoint tensor {name!r}: no attention layer {name[: -len(suffix)]}self_attn")
+            from tokenmill.loaders.lazy import read_part
+            value = read_part(tensor, slice(None), slice(None)).float().reshape(-1)
+            if value.numel() != 1:
+                raise ValueError(f"checkpoint tensor {name!r} has {value.numel()} values; per-layer KV cache "
+                                 "scales (one value) are supported")
+            attention.checkpoint_kv_scales = {**getattr(attention, "checkpoint_kv_scales", {}), which: value}
+            return True
+    return False
 
 
 def _resolve(name: str, stacked) -> tuple[str, str | None]:

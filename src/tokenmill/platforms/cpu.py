@@ -29,6 +29,8 @@ class CPUPlatform(Platform):
         decoder = model.dense_decoder()
         if not config.native_decode_layers or decoder is None or tensor_parallel().size > 1:   # no all-reduce
             return None
+        if config.model.kv_cache_dtype is not None:        # the fused layers read a float32 cache only
+            return None
         from tokenmill.platforms.cpu_decode import NativeDecodeProgram
         return NativeDecodeProgram.build(decoder)
 

@@ -26,6 +26,8 @@ class CUDAPlatform(Platform):
         Triton backend, whose decode kernel reads only device tensors."""
         if config.enforce_eager or config.attention_backend != "triton" or not model.supports_cuda_graphs:
             return None
+        if config.model.kv_cache_dtype is not None:    # FP8 scales are calibrated by the first real step
+            return None
         from tokenmill.worker.cuda_graphs import CUDAGraphDecode
         block_size, sc = config.cache.block_size, config.scheduler
         graphs = CUDAGraphDecode(model, self.device, block_size, -(-sc.max_model_len // block_size),

@@ -88,7 +88,7 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         """What every layer caches for one token on this rank (its kv heads, or MLA's latent), in bytes."""
-        dtype = self.config.model.dtype
+        dtype = self.config.model.cache_dtype
         return sum(a.cache_spec().bytes_per_token(dtype) for a in self.cache_layers())
 
     def cache_layers(self) -> list:
@@ -99,19 +99,32 @@ class ModelRunner:
         """Allocate every layer's cache tensors as its KVCacheSpec names them ([heads, num_blocks *
         block_size, width], plus the platform's scratch blocks past num_blocks), set them and a backend
         of the spec's kind on the layer; then build the platform's fused decode program."""
-        dtype, slots = self.config.model.dtype, (num_blocks + self.platform.scratch_blocks) * self.block_size
+        dtype, slots = self.config.model.cache_dtype, (num_blocks + self.platform.scratch_blocks) * self.block_size
         try:
             for layer in self.cache_layers():
                 spec = layer.cache_spec()
                 for name, shape in spec.shapes(slots):
                     setattr(layer, name, self.platform.allocate(shape, dtype))
                 layer.backend = self._backend(spec.kind)
+                if self.config.model.kv_cache_dtype is not None:
+                    layer.kv_scales = self._kv_scales(layer, spec)
         except torch.OutOfMemoryError:
             need = self.kv_bytes_per_token() * slots
             raise MemoryError(f"{self.platform.device} ran out of memory allocating the KV cache "
                               f"({need / 2**30:.2f} GiB for {num_blocks} blocks of {self.block_size} tokens). "
                               "Lower --gpu-memory-utilization or set --kv-cache-memory-bytes") from None
         self.fused_decode = self.platform.fused_decode(self.model, self.config, num_blocks)
+
+    def _kv_scales(self, layer, spec):
+        """An FP8 cache's scales for one layer: the checkpoint's, else calibrated on its first tokens."""
+        from tokenmill.layers.attention.fp8_kv import KVScales
+        scales = KVScales(spec.tensors[0][1])
+        given = getattr(layer, "checkpoint_kv_scales", {})
+        if given:
+            if set(given) != {"k", "v"}:
+                raise ValueError(f"the checkpoint gives only the {sorted(given)} KV cache scale of an attention layer")
+            scales.set(given["k"], given["v"])
+        return scales.to(self.platform.device)
 
     def _backend(self, kind: str):
         """The backend of a cache spec's kind: the configured attention backend, or the MLA one."""

@@ -67,10 +67,19 @@ class AttentionBackend:
     name = "base"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (new tokens, already rotated).
-        Writes k/v into the cache at meta.slot_mapping, then returns [T, num_heads * head_dim]."""
+        Writes k/v into the cache at meta.slot_mapping, then returns [T, num_heads * head_dim].
+        kv_scales: fp8_kv.KVScales when the caches are float8 (kv_cache_dtype="fp8"), else None."""
         raise NotImplementedError
+
+    def store(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+        """write_cache, or its FP8 form (quantized by the layer's scales) when kv_scales is given."""
+        if kv_scales is None:
+            self.write_cache(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            from tokenmill.layers.attention.fp8_kv import write_fp8_cache
+            write_fp8_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     @staticmethod
     def write_cache(k, v, k_cache, v_cache, slot_mapping) -> None:

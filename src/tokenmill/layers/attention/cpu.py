@@ -2,7 +2,9 @@
 place from the paged cache (csrc/cpu_kernels.cpp), or, without a compiler, one batched matmul pair over one
 gather of their context. Prefill chunks: a native causal kernel over the paged cache, every chunk of the
 step in one call (csrc/prefill_attention.cpp, float32, head dim 64 or 128), else torch's
-scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0)."""
+scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0).
+An FP8 cache (kv_cache_dtype="fp8") is written quantized; decodes read its codes in the native kernel
+(paged_decode_attention_fp8), prefill chunks read their context dequantized (fp8_kv.read_slots)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.platforms import cpu_native
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention.fp8_kv import read_slots
 
 
 class CPUAttention(AttentionBackend):
@@ -18,25 +21,26 @@ class CPUAttention(AttentionBackend):
     def __init__(self) -> None:
         self.native = cpu_native.load()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native is not None and k.dtype == torch.float32:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
+        if self.native is not None and k.dtype == torch.float32 and kv_scales is None:
             self.native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
-            self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         num_tokens, num_heads, head_dim = q.shape
         if meta.decode_rows is not None and len(meta.seqs) == meta.decode_rows.numel():
-            return self._decode_any(q, k_cache, v_cache, meta, scale).reshape(num_tokens, num_heads * head_dim)
+            out = self._decode_any(q, k_cache, v_cache, meta, scale, kv_scales)
+            return out.reshape(num_tokens, num_heads * head_dim)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode_any(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = self._decode_any(q[meta.decode_rows], k_cache, v_cache, meta, scale, kv_scales)
         prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
-        if self._native_prefill(q, prefills, meta):
+        if kv_scales is None and self._native_prefill(q, prefills, meta):
             self.native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots,
                                           scale, out)
         else:
             for s in prefills:
                 rows = slice(s.query_start, s.query_start + s.query_len)
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, s, scale)
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, s, scale, kv_scales)
         return out.view(num_tokens, num_heads * head_dim)
 
     def _native_prefill(self, q, prefills, meta: AttentionMetadata) -> bool:
@@ -46,22 +50,27 @@ class CPUAttention(AttentionBackend):
             and self.native.prefill_attention_supports(q.shape[-1]) and meta.prefill_spans is not None \
             and meta.prefill_spans.shape[0] == len(prefills)
 
-    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native is not None and q.dtype == torch.float32:
+    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales) -> torch.Tensor:
+        if self.native is not None and q.dtype == torch.float32 and kv_scales is None:
             return self.native.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_slots,
                                                       meta.decode_lens, scale)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+        if self.native is not None and q.dtype == torch.float32:         # FP8 codes decoded in the kernel
+            return self.native.paged_decode_attention_fp8(
+                q.contiguous(), k_cache.view(torch.uint8), v_cache.view(torch.uint8), meta.decode_slots,
+                meta.decode_lens, scale, kv_scales.k, kv_scales.v)
+        return self._decode(q, k_cache, v_cache, meta, scale, kv_scales)
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         """q [R, H, D] -> [R, H, D], attending to meta.decode_slots [R, L] (padded, masked)."""
         num_reqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         max_len = meta.decode_slots.shape[1]
         flat = meta.decode_slots.view(-1)
-        keys = k_cache.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim)    # [KV, R, L, D]
-        values = v_cache.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim)
+        k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+        keys = read_slots(k_cache, flat, k_scale).view(num_kv_heads, num_reqs, max_len, head_dim)  # [KV, R, L, D]
+        values = read_slots(v_cache, flat, v_scale).view(num_kv_heads, num_reqs, max_len, head_dim)
         qg = q.view(num_reqs, num_kv_heads, group, head_dim).transpose(0, 1)                  # [KV, R, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)                         # [KV, R, G, L]
         scores.add_(meta.decode_mask)                                                          # mask [R, 1, L]
@@ -70,7 +79,7 @@ class CPUAttention(AttentionBackend):
         return out.transpose(0, 1).reshape(num_reqs, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, s, scale: float) -> torch.Tensor:
+    def _prefill(q, k, v, k_cache, v_cache, s, scale: float, kv_scales=None) -> torch.Tensor:
         """One request's chunk: q [n, H, D]; k/v [n, KV, D] (its new tokens) -> [n, H, D]."""
         start = s.context_len - s.query_len
         qh = q.transpose(0, 1).unsqueeze(0)                                                   # [1, H, n, D]
@@ -78,8 +87,9 @@ class CPUAttention(AttentionBackend):
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)            # [1, KV, n, D]
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:  # earlier positions come from the cache (chunked prefill, prefix hit, recompute)
-            kh = k_cache.index_select(1, s.context_slots).unsqueeze(0)                         # [1, KV, L, D]
-            vh = v_cache.index_select(1, s.context_slots).unsqueeze(0)
+            k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+            kh = read_slots(k_cache, s.context_slots, k_scale).unsqueeze(0)                    # [1, KV, L, D]
+            vh = read_slots(v_cache, s.context_slots, v_scale).unsqueeze(0)
             q_pos = torch.arange(start, s.context_len).unsqueeze(1)
             mask = torch.arange(s.context_len).unsqueeze(0) <= q_pos                           # [n, L] True = attend
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -18,38 +18,40 @@ class TritonAttention(AttentionBackend):
         from tokenmill.layers.attention import triton_kernels   # imports triton: only when chosen
         self.kernels = triton_kernels
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         if meta.block_tables is None:
             raise ValueError("the triton attention backend needs the step's block tables in its metadata")
-        self.write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         num_tokens, num_heads, head_dim = q.shape
         if meta.decode_rows is not None and meta.decode_rows.numel() == num_tokens and meta.decode_lens is not None:
             # decodes only, row i = sequence i: device tensors alone, no host work (CUDA graphs capture this)
             out = self.kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                                      meta.decode_lens, meta.block_size, scale)
+                                                      meta.decode_lens, meta.block_size, scale, kv_scales=kv_scales)
             return out.view(num_tokens, num_heads * head_dim)
         out = torch.empty_like(q)
         decodes = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
         prefills = [i for i, s in enumerate(meta.seqs) if s.query_len > 1]
         if decodes:
-            self._decode(q, k_cache, v_cache, meta, scale, decodes, out)
+            self._decode(q, k_cache, v_cache, meta, scale, decodes, out, kv_scales)
         if prefills:
-            self._prefill(q, k_cache, v_cache, meta, scale, prefills, out)
+            self._prefill(q, k_cache, v_cache, meta, scale, prefills, out, kv_scales)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out) -> None:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out,
+                kv_scales) -> None:
         seqs = [meta.seqs[i] for i in idx]
         rows = torch.tensor([s.query_start for s in seqs], dtype=torch.long, device=q.device)
         lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=q.device)
         tables = meta.block_tables[torch.tensor(idx, dtype=torch.long)].to(q.device)
         out[rows] = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, tables, lens,
-                                                        meta.block_size, scale)
+                                                        meta.block_size, scale, kv_scales=kv_scales)
 
-    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out) -> None:
+    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out,
+                 kv_scales) -> None:
         seqs = [meta.seqs[i] for i in idx]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
         tables = meta.block_tables[torch.tensor(idx, dtype=torch.long)].to(q.device)
         self.kernels.paged_prefill_attention(
             q, k_cache, v_cache, tables, as_tensor([s.query_start for s in seqs]),
             as_tensor([s.query_len for s in seqs]), as_tensor([s.context_len for s in seqs]), meta.block_size,
-            scale, max(s.query_len for s in seqs), out=out)     # writes the chunks' rows of out in place
+            scale, max(s.query_len for s in seqs), out=out, kv_scales=kv_scales)     # writes the chunks' rows of out in place

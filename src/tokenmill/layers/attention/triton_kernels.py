@@ -11,7 +11,8 @@ lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
 - `paged_prefill_attention`: the multi-token chunks of a step in one launch. Grid (sequence, query block,
   head): causal attention of the chunk's new tokens against their whole context (cached prefix and the
   chunk itself), variable lengths, keys gathered through the block table.
-Both accumulate in float32 and return q's dtype.
+Both accumulate in float32 and return q's dtype. An FP8 cache (kv_cache_dtype="fp8") is read as its bytes
+and decoded in the kernels (_e4m3_to_float), times its per-kv-head scale.
 """
 from __future__ import annotations
 
@@ -26,10 +27,27 @@ PREFILL_BLOCK_N = 16              # context positions per inner step
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
-                         stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, scale, num_splits,
+def _e4m3_to_float(bits):
+    """float8_e4m3fn bytes (uint8) -> float32 exactly: the 7 magnitude bits moved into float32's exponent and
+    mantissa, times 2^120 to rebias the exponent (subnormals included), then the sign."""
+    b = bits.to(tl.int32)
+    magnitude = ((b & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36   # 2^120
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _cached(ptrs, mask, scale_ptr, FP8: tl.constexpr):
+    """Cache values at ptrs as float32: FP8 codes times their kv head's scale, or the float values."""
+    if FP8:
+        return _e4m3_to_float(tl.load(ptrs, mask=mask, other=0)) * tl.load(scale_ptr)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, k_scale_ptr,
+                         v_scale_ptr, stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, scale, num_splits,
                          blocks_per_split, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,8 +69,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr
         valid = pos < seq_len
         block = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
         offs = kvh * stride_kh + (block * BLOCK + t)[:, None] * stride_ks + d[None, :]
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        k = _cached(k_ptr + offs, valid[:, None], k_scale_ptr + kvh, FP8)             # [BLOCK, D] float32
+        v = _cached(v_ptr + offs, valid[:, None], v_scale_ptr + kvh, FP8)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                   # [GROUP_P, BLOCK]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -87,9 +105,10 @@ def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, n
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, kv_scales=None) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, its KV already in the cache); block_tables [B, max_blocks]
-    int32/64; seq_lens [B] (>= 1, new token included). Returns [B, H, D] in q's dtype."""
+    int32/64; seq_lens [B] (>= 1, new token included). kv_scales: fp8_kv.KVScales of float8 caches, else
+    None. Returns [B, H, D] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
@@ -101,10 +120,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial = q.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
     m, l = partial, torch.empty_like(partial)
     acc = q.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
+    k_cache, v_cache, k_scale, v_scale = _cache_operands(k_cache, v_cache, kv_scales)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), block_tables.stride(0), scale, num_splits, blocks_per_split, GROUP=group,
-        GROUP_P=triton.next_power_of_2(group), D=head_dim, BLOCK=block_size)
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, k_scale, v_scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), scale, num_splits, blocks_per_split,
+        GROUP=group, GROUP_P=triton.next_power_of_2(group), D=head_dim, BLOCK=block_size,
+        FP8=kv_scales is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(num_seqs, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads, num_splits,
                                                 SPLITS_P=triton.next_power_of_2(num_splits), D=head_dim)
@@ -112,10 +133,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctxlens_ptr,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_tb, scale,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctxlens_ptr, k_scale_ptr,
+                    v_scale_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_tb, scale,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, FP8: tl.constexpr):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
     h = tl.program_id(2)
@@ -139,8 +160,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             pmask = pos < hi
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
             offs = kvh * stride_kh + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
-            k = tl.load(k_ptr + offs, mask=pmask[:, None], other=0.0)                 # [BLOCK_N, D]
-            v = tl.load(v_ptr + offs, mask=pmask[:, None], other=0.0)
+            k = _cached(k_ptr + offs, pmask[:, None], k_scale_ptr + kvh, FP8).to(q.dtype)  # [BLOCK_N, D]
+            v = _cached(v_ptr + offs, pmask[:, None], v_scale_ptr + kvh, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                         # [BLOCK_M, BLOCK_N]
             keep = (pos[None, :] <= q_pos[:, None]) & pmask[None, :] & rmask[:, None]
             s = tl.where(keep, s, float("-inf"))
@@ -159,7 +180,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, scale: float,
-                            max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                            max_query_len: int, out: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
     """q [T, H, D]: the step's new tokens, sequence s owning rows query_starts[s] .. + query_lens[s], its
     KV (chunk included) already in the cache; context_lens[s] = start position + query_lens[s]. Writes the
     listed sequences' rows of `out` ([T, H, D], q's dtype; zeros when not given) and returns it; other rows
@@ -169,12 +190,22 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if out is None:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     grid = (query_starts.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads)
+    k_cache, v_cache, k_scale, v_scale = _cache_operands(k_cache, v_cache, kv_scales)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_starts, query_lens, context_lens,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                          k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                           block_tables.stride(0),
                           scale, GROUP=num_heads // k_cache.shape[0], D=head_dim, BLOCK_SIZE=block_size,
-                          BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N)
+                          BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, FP8=kv_scales is not None)
     return out
+
+
+def _cache_operands(k_cache, v_cache, kv_scales):
+    """(k, v, k_scale, v_scale) as the kernels take them: an FP8 cache as its bytes (uint8) with its per-kv-head
+    scales; a float cache with its own tensor standing in for the scales (not read)."""
+    if kv_scales is None:
+        return k_cache, v_cache, k_cache, v_cache
+    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scales.k.to(k_cache.device, torch.float32),
+            kv_scales.v.to(k_cache.device, torch.float32))
 
 
 def _check_shapes(q, k_cache, v_cache, block_tables, block_size: int) -> None:

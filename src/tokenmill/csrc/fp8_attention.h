@@ -1,0 +1,9 @@
+#pragma once
+#include <torch/extension.h>
+
+// Paged decode attention over an FP8 (E4M3) KV cache: as paged_decode_attention (cpu_kernels.cpp), with
+// k_cache / v_cache [KV, S, D] uint8 codes (float8_e4m3fn bytes) and per-kv-head scales k_scale, v_scale [KV]
+// float32: a cached value is code * scale. Returns [R, H, D] float32.
+torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor slots, torch::Tensor lens, double scale,
+                                         torch::Tensor k_scale, torch::Tensor v_scale);
