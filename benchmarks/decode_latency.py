@@ -55,7 +55,8 @@ def linear_bytes(model) -> int:
     from tokenmill.layers.linear import Linear
     names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",),
              ("w8a8_weight_t", "w8a8_weight_scale"),
-             ("int4_packed", "scales_and_zeros"), ("qweight", "scales"), ("fp8_weight", "fp8_scale")]
+             ("int4_packed", "scales_and_zeros"), ("qweight", "scales"), ("fp8_weight", "fp8_scale"),
+             ("fp4_weight", "fp4_scale")]
     total = 0
     for m in model.modules():
         if not isinstance(m, Linear):

@@ -161,7 +161,7 @@ def test_quantization_fp8_on_a_float_checkpoint(tiny_model_factory):
 
 @pytest.mark.parametrize("config,message", [
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
-        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}},
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 32}}}},
      r"compressed-tensors scheme of group_0 \(weights num_bits=4, type=float, strategy=tensor_group\) is not supported"),
     ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 checkpoint format 'e5m2'"),
@@ -175,9 +175,9 @@ def test_unsupported_schemes_are_rejected_by_name(tiny_model_factory, tmp_path, 
         LLM(out, kv_cache_memory_bytes=1 << 22)
 
 
-def test_modelopt_nvfp4_is_rejected_by_name(tiny_model_factory, tmp_path):
+def test_modelopt_w4a8_awq_is_rejected_by_name(tiny_model_factory, tmp_path):
     out = str(tmp_path / "q")
     shutil.copytree(tiny_model_factory("llama"), out)
-    json.dump({"quantization": {"quant_algo": "NVFP4"}}, open(os.path.join(out, "hf_quant_config.json"), "w"))
-    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
+    json.dump({"quantization": {"quant_algo": "W4A8_AWQ"}}, open(os.path.join(out, "hf_quant_config.json"), "w"))
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'W4A8_AWQ' is not supported"):
         LLM(out, kv_cache_memory_bytes=1 << 22)

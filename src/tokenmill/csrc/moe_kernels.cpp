@@ -1,6 +1,6 @@
 // See moe_kernels.h. Work items are (expert, block of 16 output rows), spread over the threads: a block's
 // weights (16 rows x K) stay in L1/L2 while every row of the expert's run passes over them, eight rows at
-// a time, each with its own accumulator: one weight vector load (int8 or FP8: widened to float32 once)
+// a time, each with its own accumulator: one weight vector load (int8, FP8 or FP4: widened to float32 once)
 // feeds eight FMAs. Scales: one per output row and run of `kblock` inputs (a whole row: kblock = K).
 #include "moe_kernels.h"
 
@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -24,6 +25,11 @@ inline float hsum(__m256 v) {
 }
 
 struct Fp8 { uint8_t bits; };      // an E4M3 value (float8_e4m3fn), decoded in registers
+struct Fp4 { uint8_t bits; };      // two E2M1 values (NVFP4 / MXFP4), the even element in the low nibble
+
+// Weights per element of W in memory: 2 for packed FP4, else 1.
+template <class W> constexpr int64_t kPerElem = 1;
+template <> constexpr int64_t kPerElem<Fp4> = 2;
 
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const int8_t* w) {
@@ -40,24 +46,35 @@ inline __m256 load8(const Fp8* w) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
-// out[i * ldo] = sum over blocks b of dot(x + i * K, w)[block b] * scale[b], for M rows of x (K and kblock
-// multiples of 8).
+// E2M1 -> float32 exactly, 8 weights from 4 bytes: lane j takes bits 4j..4j+3 of the little-endian word (byte
+// j / 2, the low nibble for even j), its 3 magnitude bits index the 8 values, bit 3 is the sign.
+inline __m256 load8(const Fp4* w) {
+  int32_t word;
+  std::memcpy(&word, w, 4);
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(0xF));
+  const __m256 magnitudes = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256 value = _mm256_permutevar8x32_ps(magnitudes, nib);       // uses the low 3 bits of each lane
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(0x8)), 28);
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
+
+// out[i * ldo] = sum over blocks b of dot(x + i * K, w * scale[b])[block b], for M rows of x (K and kblock
+// multiples of 8). The scale multiplies the decoded weight vector once for all M rows.
 template <int M, class W>
 inline void dot_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, const float* scale,
                      int64_t kblock) {
-  float total[M] = {};
+  __m256 acc[M];
+  for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
-    __m256 acc[M];
-    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+    const __m256 s = _mm256_set1_ps(scale ? scale[b] : 1.0f);
     const int64_t k1 = std::min(K, k0 + kblock);
     for (int64_t k = k0; k < k1; k += 8) {
-      const __m256 wv = load8(w + k);
+      const __m256 wv = scale ? _mm256_mul_ps(load8(w + k / kPerElem<W>), s) : load8(w + k / kPerElem<W>);
       for (int i = 0; i < M; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * K + k), acc[i]);
     }
-    const float s = scale ? scale[b] : 1.0f;
-    for (int i = 0; i < M; i++) total[i] += hsum(acc[i]) * s;
   }
-  for (int i = 0; i < M; i++) out[i * ldo] = total[i];
+  for (int i = 0; i < M; i++) out[i * ldo] = hsum(acc[i]);
 }
 
 template <class W>
@@ -89,7 +106,7 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
       const int64_t e = items[i] / blocks, n0 = items[i] % blocks * kBlockRows;
       const int64_t n1 = std::min(N, n0 + kBlockRows), r0 = starts[e], r1 = starts[e + 1];
       for (int64_t n = n0; n < n1; n++) {
-        const W* wrow = w + (e * N + n) * K;
+        const W* wrow = w + (e * N + n) * K / kPerElem<W>;
         const float* s = scale ? scale + (e * N + n) * KB : nullptr;
         for (int64_t r = r0; r < r1; r += kRowsPerPass)
           dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s, kblock);
@@ -104,10 +121,12 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
                                c10::optional<torch::Tensor> scale, int64_t kblock) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "moe_grouped_gemm: x must be contiguous float32 [R, K], got ", x.sizes());
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) == x.size(1) && w.size(2) % 8 == 0,
-              "moe_grouped_gemm: w must be contiguous [E, N, K] with K = x's columns, a multiple of 8; got ",
-              w.sizes(), " for x ", x.sizes());
-  const int64_t E = w.size(0), N = w.size(1), K = w.size(2), R = x.size(0);
+  const bool fp4 = w.scalar_type() == torch::kUInt8;          // packed E2M1 pairs: [E, N, K / 2]
+  const int64_t per = fp4 ? 2 : 1;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) * per == x.size(1) && x.size(1) % 8 == 0,
+              "moe_grouped_gemm: w must be contiguous [E, N, K] (uint8 FP4 pairs: [E, N, K / 2]) with K = x's "
+              "columns, a multiple of 8; got ", w.sizes(), " for x ", x.sizes());
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2) * per, R = x.size(0);
   if (kblock <= 0) kblock = K;
   TORCH_CHECK(kblock % 8 == 0 || kblock == K, "moe_grouped_gemm: kblock must be a multiple of 8");
   const int64_t KB = (K + kblock - 1) / kblock;
@@ -120,15 +139,18 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
   const bool scaled = w.scalar_type() != torch::kFloat32;
   TORCH_CHECK(!scaled || (scale.has_value() && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
                           scale->numel() == E * N * KB),
-              "moe_grouped_gemm: int8 / FP8 weights need float32 scales [E, N, K / kblock]");
+              "moe_grouped_gemm: int8 / FP8 / FP4 weights need float32 scales [E, N, K / kblock]");
   const float* s = scaled ? scale->data_ptr<float>() : nullptr;
   if (w.scalar_type() == torch::kInt8) {
     grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), s, y.data_ptr<float>(), E, N, K, kblock);
+  } else if (fp4) {
+    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp4*>(w.data_ptr()), s, y.data_ptr<float>(), E, N,
+            K, kblock);
   } else if (w.scalar_type() == at::kFloat8_e4m3fn) {
     grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp8*>(w.data_ptr()), s, y.data_ptr<float>(), E, N,
             K, kblock);
   } else {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32, int8 or float8_e4m3fn");
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32, int8, float8_e4m3fn or uint8 (FP4 pairs)");
     grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), nullptr, y.data_ptr<float>(), E, N, K, kblock);
   }
   return y;

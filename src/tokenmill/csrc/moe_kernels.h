@@ -7,8 +7,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TOKENMILL_MOE_KERNELS 1
-// x [R, K] float32 (rows of expert e at run_starts[e] .. run_starts[e + 1]); w [E, N, K] float32, int8 or
-// float8_e4m3fn (then scale [E, N, K / kblock] float32: one per output row and run of kblock inputs;
+// x [R, K] float32 (rows of expert e at run_starts[e] .. run_starts[e + 1]); w [E, N, K] float32, int8,
+// float8_e4m3fn, or uint8 [E, N, K / 2] packed E2M1 pairs (NVFP4 / MXFP4 codes, the even element in the low
+// nibble); all but float32 with scale [E, N, K / kblock] float32: one per output row and run of kblock inputs;
 // kblock <= 0: the whole row) -> y [R, N] float32, y[r] = x[r] @ (w[e] * scale[e])^T. With E = 1 it is a
 // plain linear layer (quant/fp8.py).
 torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,

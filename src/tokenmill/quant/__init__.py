@@ -17,10 +17,14 @@ _METHODS = {   # platform -> name -> module:class, imported lazily
             "int8": "tokenmill.quant.int8:Int8WeightOnlyMethod",
             "int4": "tokenmill.quant.int4:Int4WeightOnlyMethod",
             "w8a8": "tokenmill.quant.w8a8:W8A8DynamicMethod",
-            "fp8": "tokenmill.quant.fp8:FP8Method"},
+            "fp8": "tokenmill.quant.fp8:FP8Method",
+            "nvfp4": "tokenmill.quant.fp4:NVFP4Method",
+            "mxfp4": "tokenmill.quant.fp4:MXFP4Method"},
     "cuda": {"float": "tokenmill.quant.cuda_float:CUDAFloatMethod",
              "int8": "tokenmill.quant.triton_weight_only:Int8TritonMethod",
-             "int4": "tokenmill.quant.triton_weight_only:Int4TritonMethod"},
+             "int4": "tokenmill.quant.triton_weight_only:Int4TritonMethod",
+             "nvfp4": "tokenmill.quant.triton_fp4:NVFP4TritonMethod",
+             "mxfp4": "tokenmill.quant.triton_fp4:MXFP4TritonMethod"},
 }
 
 

@@ -49,15 +49,20 @@ class FP8Method(QuantMethod):
         self.drop_float_weight(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        from tokenmill.platforms import cpu_native
-        native = cpu_native.load()
-        xf = x.float().contiguous()
-        if native is not None and hasattr(native, "moe_grouped_gemm"):
-            starts = torch.tensor([0, xf.shape[0]], dtype=torch.long)
-            y = native.moe_grouped_gemm(xf, starts, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock)
-        else:
-            y = torch.nn.functional.linear(xf, dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
+        y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
+                           lambda: dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
         return self.add_bias(layer, y)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kblock: int, dequantized) -> torch.Tensor:
+    """x [T, K] @ the scaled codes' weight^T through the native grouped GEMM with one group (weight [1, N, ...],
+    scale [1, N, K / kblock]); without the native build, x @ dequantized()^T (slow, exact)."""
+    from tokenmill.platforms import cpu_native
+    native = cpu_native.load()
+    xf = x.float().contiguous()
+    if native is not None and hasattr(native, "moe_grouped_gemm"):
+        return native.moe_grouped_gemm(xf, torch.tensor([0, xf.shape[0]], dtype=torch.long), weight, scale, kblock)
+    return torch.nn.functional.linear(xf, dequantized())
 
 
 def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int) -> torch.Tensor:

@@ -8,8 +8,15 @@ Supported: FP8 E4M3 weights, per tensor, per channel or in 128 x 128 blocks, fro
 - NVIDIA ModelOpt (quant_algo FP8): `weight`, `weight_scale` [] per tensor;
 - DeepSeek-V3/R1 (quant_method fp8, weight_block_size [128, 128]): `weight`, `weight_scale_inv` per block
   (a multiplier, despite the name).
+NVFP4 weights (E2M1 codes packed two a byte, an E4M3 scale per 16 inputs, a float32 scale per tensor), from
+- compressed-tensors (format nvfp4-pack-quantized; weights num_bits 4, type float, strategy tensor_group,
+  group_size 16): `weight_packed` uint8 [N, K/2], `weight_scale` [N, K/16], `weight_global_scale` [1] (a
+  divisor: w = e2m1 x weight_scale / weight_global_scale);
+- ModelOpt (quant_algo NVFP4): `weight` uint8 [N, K/2], `weight_scale` [N, K/16], `weight_scale_2` [] (a
+  multiplier).
+Their activations run float32 (weight-only), whatever the checkpoint's input scales say.
 `input_scale` (static activation scales) is read and not used: activations stay float32 on the CPU.
-Anything else (NVFP4, MXFP4, integer schemes, ...) is an error that names it."""
+Anything else (MXFP4 checkpoints, integer schemes, ...) is an error that names it."""
 from __future__ import annotations
 
 import json
@@ -18,15 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED = "FP8 E4M3 weights per tensor, per channel or in 128x128 blocks"
+SUPPORTED = "FP8 E4M3 weights per tensor, per channel or in 128x128 blocks; NVFP4 weights (groups of 16)"
+NVFP4_GROUP = 16
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     vendor: str                    # "compressed-tensors" | "modelopt" | "fp8" (DeepSeek's native format)
-    strategy: str                  # "tensor" | "channel" | "block"
+    strategy: str                  # "tensor" | "channel" | "block" (FP8) | "nvfp4"
     scale_name: str                # "weight_scale" | "weight_scale_inv"
     method: str = "fp8"            # the quant/ method that serves it
+    global_scale_name: str = ""    # NVFP4's per-tensor scale: "weight_scale_2" (x) | "weight_global_scale" (/)
+    weight_name: str = "weight"    # the codes' tensor: "weight" | "weight_packed" (compressed-tensors NVFP4)
 
 
 def detect(hf_config, model_path: str) -> CheckpointQuant | None:
@@ -45,6 +55,8 @@ def detect(hf_config, model_path: str) -> CheckpointQuant | None:
         return _compressed_tensors(qc)
     if kind == "modelopt":
         algo = qc.get("quant_algo")
+        if algo == "NVFP4" and int(qc.get("group_size", NVFP4_GROUP)) == NVFP4_GROUP:
+            return CheckpointQuant("modelopt", "nvfp4", "weight_scale", "nvfp4", "weight_scale_2")
         if algo != "FP8":
             raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported; supported: {SUPPORTED}")
         return CheckpointQuant("modelopt", "tensor", "weight_scale")
@@ -62,6 +74,10 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
     strategies = set()
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
+        if (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("group_size")) == (4, "float", "tensor_group",
+                                                                                           NVFP4_GROUP):
+            strategies.add("nvfp4")
+            continue
         ok = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel", "block")
         if w.get("strategy") == "block" and list(w.get("block_structure") or [128, 128]) != [128, 128]:
             ok = False
@@ -72,15 +88,29 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
         strategies.add(w["strategy"])
     if len(strategies) != 1:
         raise ValueError(f"compressed-tensors: one weight strategy for every group is supported, got {sorted(strategies)}")
+    if strategies == {"nvfp4"}:
+        return CheckpointQuant("compressed-tensors", "nvfp4", "weight_scale", "nvfp4", "weight_global_scale",
+                               "weight_packed")
     return CheckpointQuant("compressed-tensors", strategies.pop(), "weight_scale")
 
 
 def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor]:
     """The checkpoint's weight scales by module name (one pass over the lazy checkpoint: only they are read)."""
     from tokenmill.loaders.lazy import read_part
-    suffix = "." + fmt.scale_name
-    return {name[: -len(suffix)]: read_part(t, slice(None), slice(None)).float()
-            for name, t in iter_weights() if name.endswith(suffix)}
+    suffix, tensor_suffix = "." + fmt.scale_name, "." + (fmt.global_scale_name or fmt.scale_name)
+    scales, tensor_scales = {}, {}
+    for name, t in iter_weights():
+        if name.endswith(suffix):
+            scales[name[: -len(suffix)]] = read_part(t, slice(None), slice(None)).float()
+        elif fmt.global_scale_name and name.endswith(tensor_suffix):
+            tensor_scales[name[: -len(tensor_suffix)]] = read_part(t, slice(None), slice(None)).float().reshape(())
+    if fmt.strategy != "nvfp4":
+        return scales
+    missing = sorted(set(scales) - set(tensor_scales))
+    if missing:
+        raise ValueError(f"NVFP4 checkpoint: {missing[0]} has {fmt.scale_name} but no {fmt.global_scale_name}")
+    divide = fmt.global_scale_name == "weight_global_scale"      # compressed-tensors stores the reciprocal
+    return {m: s / tensor_scales[m] if divide else s * tensor_scales[m] for m, s in scales.items()}
 
 
 def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, torch.Tensor]):
@@ -88,18 +118,31 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
     time), the scale tensors themselves left out."""
     from tokenmill.loaders.lazy import read_part
     from tokenmill.quant.fp8 import BLOCK, dequantize, expand_scale
+    skipped = ("." + fmt.scale_name, ".input_scale", ".weight_scale_2", ".weight_global_scale", ".input_global_scale")
+    suffix = "." + fmt.weight_name
     for name, t in iter_weights():
-        if name.endswith(("." + fmt.scale_name, ".input_scale", ".weight_scale_2")):
+        if name.endswith(skipped):
             continue
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        module = name[: -len(suffix)] if name.endswith(suffix) else None
         if module not in scales:
             yield name, t
             continue
         q = read_part(t, slice(None), slice(None))
+        if fmt.strategy == "nvfp4":
+            yield module + ".weight", _dequantize_nvfp4(name, q, scales[module])
+            continue
         if q.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: a {fmt.vendor} FP8 weight must be float8_e4m3fn, got {q.dtype}")
         kblock = BLOCK if fmt.strategy == "block" else q.shape[1]
         yield name, dequantize(q, expand_scale(q.float(), fmt.strategy, scales[module], kblock), kblock)
+
+
+def _dequantize_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from tokenmill.quant.fp4 import dequantize
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or scales.shape != (packed.shape[0], packed.shape[1] * 2 // NVFP4_GROUP):
+        raise ValueError(f"{name}: an NVFP4 weight must be uint8 [N, K/2] with scales [N, K/16]; got {packed.dtype} "
+                         f"{tuple(packed.shape)} and scales {tuple(scales.shape)}")
+    return dequantize(packed, scales, NVFP4_GROUP)
 
 
 def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) -> set[str]:
@@ -118,6 +161,15 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
             continue
         rows, cols = layer.checkpoint_slice(shard)
         part = scale
+        if fmt.strategy == "nvfp4":                     # [N, K/16]: this rank's rows, its columns' groups
+            c0, c1 = cols.start or 0, cols.stop
+            if c0 % NVFP4_GROUP or (c1 is not None and c1 % NVFP4_GROUP):
+                raise ValueError(f"{layer_name}: this rank's columns do not start on a {NVFP4_GROUP}-group boundary")
+            part = scale[rows, c0 // NVFP4_GROUP: None if c1 is None else c1 // NVFP4_GROUP]
+            target_rows = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
+            layer.checkpoint_fp4 = getattr(layer, "checkpoint_fp4", []) + [(target_rows, part)]
+            done.add(layer_name)
+            continue
         if fmt.strategy == "channel":
             part = scale.reshape(-1)[rows]
         elif fmt.strategy == "block":

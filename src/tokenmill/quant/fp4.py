@@ -1,0 +1,139 @@
+"""FP4 (E2M1) weights on the CPU, NVFP4 and MXFP4: 4 bits a weight, two per byte (the even element in the low
+nibble, as ModelOpt, compressed-tensors and the OCP MX spec pack them), decoded to float32 in the kernel
+(csrc/moe_kernels.cpp's grouped GEMM with one group), times a float32 scale per output row and block:
+
+    w[n, k] = e2m1[n, k] * scale[n, k // block]
+    E2M1 magnitudes: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (and their negatives)
+
+- NVFP4: blocks of 16; scale = an E4M3 block scale x one float32 tensor scale. Quantizing a float weight
+  (as ModelOpt does): tensor scale = amax / (6 x 448), block scale = E4M3(block amax / 6 / tensor scale).
+- MXFP4: blocks of 32; scale = 2^e with e an E8M0 exponent: floor(log2(block amax)) - 2 (E2M1's largest
+  exponent), so the block's largest value lands in [4, 8) before rounding (6 at most, saturating).
+
+Activations stay float32: the exact reference of each format. Without the native build, `apply`
+dequantizes per call (slow, exact). A tied head gets an int8 copy, as with int4 and fp8.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.base import QuantMethod
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+
+
+def to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float -> 4-bit codes (uint8 0..15: sign in bit 3), round to nearest, ties to the even code, saturating."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    mid = _MIDPOINTS.to(x.device)
+    idx = torch.searchsorted(mid, mag.contiguous())                   # first midpoint >= mag
+    tie = (idx < 7) & (mag == mid[idx.clamp(max=6)])
+    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)             # a tie goes to the even code
+    return (idx | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def from_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) -> float32."""
+    value = E2M1_VALUES.to(codes.device)[(codes & 7).long()]
+    return torch.where(codes & 8 != 0, -value, value)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., K] (K even) -> bytes [..., K / 2]: element 2i in the low nibble of byte i."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """bytes [..., K / 2] -> codes [..., K]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """bytes [n, K / 2], scales [n, K / block] float32 -> weights [n, K] float32."""
+    return from_e2m1(unpack(packed)) * scales.repeat_interleave(block, dim=1)
+
+
+def nvfp4_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, K] -> (E4M3 block scales [n, K / 16] as float8_e4m3fn, float32 tensor scale [1])."""
+    tensor_scale = (w.abs().amax() / (E2M1_MAX * E4M3_MAX)).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    amax = w.reshape(w.shape[0], -1, 16).abs().amax(dim=2)
+    return (amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn), tensor_scale
+
+
+def mxfp4_exponents(w: torch.Tensor) -> torch.Tensor:
+    """w [n, K] -> E8M0 block exponents [n, K / 32] (uint8, biased by 127: scale = 2^(e - 127))."""
+    amax = w.reshape(w.shape[0], -1, 32).abs().amax(dim=2)
+    e = torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2
+    return (e + 127).clamp(0, 254).to(torch.uint8)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(e.float() - 127)
+
+
+def quantize(w: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """w [n, K] / its float32 scales [n, K / block] -> packed codes [n, K / 2] (a zero scale gives code 0)."""
+    full = scales.repeat_interleave(block, dim=1)
+    return pack(to_e2m1(torch.where(full > 0, w / full.clamp_min(torch.finfo(torch.float32).tiny), 0.0)))
+
+
+class FP4Method(QuantMethod):
+    """The shared part of NVFP4 and MXFP4: packed E2M1 codes [1, N, K / 2] and float32 scales [1, N, K / block]
+    as buffers (`fp4_weight`, `fp4_scale`), the grouped GEMM kernel on them."""
+    block = 0
+    quantize_tied_lm_head = True
+    lm_head_method = "int8"          # as int4 and fp8: the head is the layer most sensitive to weight error
+
+    def check_shape(self, layer) -> None:
+        if layer.in_features % self.block:
+            raise ValueError(f"{self.name} quantization of {layer.prefix or 'a linear layer'} [{layer.out_features}, "
+                             f"{layer.in_features}] needs in_features a multiple of {self.block}")
+
+    def block_scales(self, w: torch.Tensor) -> torch.Tensor:
+        """w [n, K] float32 -> the float32 scale of every block [n, K / block]."""
+        raise NotImplementedError
+
+    def layer_scales(self, layer, w: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's scales where it is pre-quantized (quant/prequantized.py attaches `checkpoint_fp4`:
+        per shard, its rows in the layer and their [rows, K / block] scales; quantizing the dequantized
+        weights with them gives back the checkpoint's codes), else the format's own from w."""
+        parts = getattr(layer, "checkpoint_fp4", None)
+        if not parts:
+            return self.block_scales(w)
+        scales = torch.empty(w.shape[0], w.shape[1] // self.block)
+        for rows, part in parts:
+            scales[rows] = part
+        return scales
+
+    def process_weights_after_loading(self, layer) -> None:
+        w = layer.weight.data.float()
+        scales = self.layer_scales(layer, w)
+        packed = quantize(w, scales, self.block)
+        layer.register_buffer("fp4_weight", packed.unsqueeze(0).contiguous(), persistent=False)          # [1, N, K/2]
+        layer.register_buffer("fp4_scale", scales.float().unsqueeze(0).contiguous(), persistent=False)   # [1, N, K/b]
+        self.drop_float_weight(layer)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.quant.fp8 import grouped_linear
+        y = grouped_linear(x, layer.fp4_weight, layer.fp4_scale, self.block,
+                           lambda: dequantize(layer.fp4_weight[0], layer.fp4_scale[0], self.block))
+        return self.add_bias(layer, y)
+
+
+class NVFP4Method(FP4Method):
+    name = "nvfp4"
+    block = 16
+
+    def block_scales(self, w: torch.Tensor) -> torch.Tensor:
+        block_scale, tensor_scale = nvfp4_scales(w)
+        return block_scale.float() * tensor_scale
+
+
+class MXFP4Method(FP4Method):
+    name = "mxfp4"
+    block = 32
+
+    def block_scales(self, w: torch.Tensor) -> torch.Tensor:
+        return e8m0_to_float(mxfp4_exponents(w))
