@@ -49,5 +49,6 @@ def test_quantized_engine_generates_close_to_float32(tiny_model_factory, variant
 
 
 def test_unknown_quantization_fails_before_loading(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown quantization 'nvfp4' on cpu; supported there: fp8, int4, int8, w8a8"):
-        LLM(tiny_model_dir, quantization="nvfp4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3' on cpu; supported there: fp8, int4, int8, mxfp4, "
+                                         "nvfp4, w8a8"):
+        LLM(tiny_model_dir, quantization="int3")

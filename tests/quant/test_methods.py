@@ -80,9 +80,9 @@ def test_gemv_split_rows_matches_linear():
 
 
 def test_unknown_method_names_the_supported_ones():
-    with pytest.raises(ValueError, match="unknown quantization 'int3'.*int4, int8, w8a8"):
+    with pytest.raises(ValueError, match="unknown quantization 'int3'.*int4, int8, mxfp4, nvfp4, w8a8"):
         get_quant_method("int3")
-    assert supported_methods() == ["fp8", "int4", "int8", "w8a8"]
+    assert supported_methods() == ["fp8", "int4", "int8", "mxfp4", "nvfp4", "w8a8"]
 
 
 def test_int4_rejects_shapes_the_kernel_cannot_take():
