@@ -102,9 +102,12 @@ class FP4Method(QuantMethod):
         parts = getattr(layer, "checkpoint_fp4", None)
         if not parts:
             return self.block_scales(w)
-        scales = torch.empty(w.shape[0], w.shape[1] // self.block)
+        scales = torch.full((w.shape[0], w.shape[1] // self.block), float("nan"))
         for rows, part in parts:
             scales[rows] = part
+        if torch.isnan(scales).any():
+            raise ValueError(f"{layer.prefix or 'a linear layer'}: the checkpoint gives FP4 scales for only some of "
+                             "its rows (a fused layer with a part the checkpoint keeps in float is not supported)")
         return scales
 
     def process_weights_after_loading(self, layer) -> None:

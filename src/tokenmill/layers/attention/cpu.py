@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.platforms import cpu_native
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.layers.attention.fp8_kv import read_slots
+from tokenmill.layers.attention.fp8_kv import read_slots, scale_pair
 
 
 class CPUAttention(AttentionBackend):
@@ -68,7 +68,7 @@ class CPUAttention(AttentionBackend):
         group = num_heads // num_kv_heads
         max_len = meta.decode_slots.shape[1]
         flat = meta.decode_slots.view(-1)
-        k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+        k_scale, v_scale = scale_pair(kv_scales)
         keys = read_slots(k_cache, flat, k_scale).view(num_kv_heads, num_reqs, max_len, head_dim)  # [KV, R, L, D]
         values = read_slots(v_cache, flat, v_scale).view(num_kv_heads, num_reqs, max_len, head_dim)
         qg = q.view(num_reqs, num_kv_heads, group, head_dim).transpose(0, 1)                  # [KV, R, G, D]
@@ -87,7 +87,7 @@ class CPUAttention(AttentionBackend):
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)            # [1, KV, n, D]
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:  # earlier positions come from the cache (chunked prefill, prefix hit, recompute)
-            k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+            k_scale, v_scale = scale_pair(kv_scales)
             kh = read_slots(k_cache, s.context_slots, k_scale).unsqueeze(0)                    # [1, KV, L, D]
             vh = read_slots(v_cache, s.context_slots, v_scale).unsqueeze(0)
             q_pos = torch.arange(start, s.context_len).unsqueeze(1)

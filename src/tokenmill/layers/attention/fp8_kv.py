@@ -70,6 +70,11 @@ def write_fp8_cache(k, v, k_cache, v_cache, slot_mapping, scales: KVScales) -> N
     v_cache.view(torch.uint8).index_copy_(1, slot_mapping, quantize(v, scales.v).transpose(0, 1).view(torch.uint8))
 
 
+def scale_pair(kv_scales: KVScales | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(k scale, v scale) for read_slots: both None for a float cache."""
+    return (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+
+
 def read_slots(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """cache[:, slots] as float32 [KV, len(slots), D]: dequantized when scale is given (an FP8 cache)."""
     rows = cache.index_select(1, slots)

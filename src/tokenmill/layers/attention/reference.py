@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.layers.attention.fp8_kv import read_slots
+from tokenmill.layers.attention.fp8_kv import read_slots, scale_pair
 
 
 class ReferenceAttention(AttentionBackend):
@@ -13,7 +13,7 @@ class ReferenceAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
-        k_scale, v_scale = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+        k_scale, v_scale = scale_pair(kv_scales)
         num_tokens, num_heads, head_dim = q.shape
         group = num_heads // k_cache.shape[0]
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
