@@ -104,15 +104,17 @@ def chunk_of(path: str) -> int | None:
     return PATHS[path]
 
 
-def evaluate(modes: list[str], full: bool = True) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate(modes: list[str], full: bool = True,
+             text_tokens: int | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {path: {ppl, ppl_rise, teacher_forced}}, plus "prefix"} with "fp32" as the reference: its
     one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by float rounding).
     full=False leaves out what only the printed table shows (fp32's own paths, each mode's free-running
-    prefix agreement): tests/quant/test_quality.py's checks."""
+    prefix agreement): tests/quant/test_quality.py's checks. text_tokens: perplexity over the text's first
+    that many tokens (None: all)."""
     with open(TEXT_PATH, encoding="utf-8") as f:
         text = f.read()
     llm = make_llm(None)
-    text_ids = llm.tokenizer.encode(text)
+    text_ids = llm.tokenizer.encode(text)[:text_tokens]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ref_ppl, ref_out = perplexity(llm, text_ids), greedy(llm, prompt_ids)
     results = {"fp32": {}}

@@ -1,7 +1,8 @@
 """NVFP4 and MXFP4 weights on the CPU: every E2M1 code decodes exactly in the kernel; the format's encoder
 (round to nearest, ties to even, saturating) and scales; quantization="nvfp4" / "mxfp4" on a float checkpoint
 and NVFP4 checkpoints written here in compressed-tensors' and ModelOpt's layouts give transformers' results on
-the dequantized weights within 1e-4 relative, with the checkpoint's own codes; the CUDA kernel
+the dequantized weights within 1e-4 relative, with the checkpoint's own codes, and the same greedy tokens;
+MXFP4 checkpoints in compressed-tensors' layout likewise; the CUDA kernel
 (quant/triton_fp4.py) is the dequantized matmul under Triton's interpreter."""
 from __future__ import annotations
 
@@ -52,6 +53,24 @@ def test_the_kernel_decodes_every_code_and_scale_exactly(method):
     y = layer(torch.eye(64))                                            # row k: input k alone
     expected = fp4.from_e2m1(codes).unsqueeze(1) * layer.fp4_scale[0].repeat_interleave(block, dim=1).t()
     assert torch.equal(y, expected)
+    for k in range(64):                                                 # one row a call: the decode path
+        assert torch.equal(layer(torch.eye(64)[k:k + 1]), expected[k:k + 1])
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_one_row_and_many_rows_give_the_dequantized_matmul(method):
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantize import quantize_model
+    g = torch.Generator().manual_seed(5)
+    layer = Linear(96, 21)
+    layer.weight.data.copy_(torch.randn(21, 96, generator=g))
+    quantize_model(layer, method)
+    block = {"nvfp4": 16, "mxfp4": 32}[method]
+    w = fp4.dequantize(layer.fp4_weight[0], layer.fp4_scale[0], block)
+    x = torch.randn(11, 96, generator=g)
+    for rows in (x[:1], x[3:4], x[:2], x):                              # batch 1 reads its own code path
+        ref = rows.double() @ w.double().t()
+        assert ((layer(rows).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def test_scales_follow_each_format():
@@ -80,14 +99,26 @@ def _hidden(llm) -> torch.Tensor:
         return model(torch.tensor(PROMPT), slots, AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]))[-1]
 
 
-def _hf_hidden(model_dir: str, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+def _hf_model(model_dir: str, weights: dict[str, torch.Tensor]):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     state = hf.state_dict()
     with torch.no_grad():
         for name, w in weights.items():
             state[name].copy_(w)
-        return hf.model(torch.tensor([PROMPT])).last_hidden_state[0, -1]
+    return hf
+
+
+def _hf_hidden(model_dir: str, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return _hf_model(model_dir, weights).model(torch.tensor([PROMPT])).last_hidden_state[0, -1]
+
+
+def _hf_greedy(model_dir: str, weights: dict[str, torch.Tensor], n: int) -> list[int]:
+    hf = _hf_model(model_dir, weights)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
 
 
 @pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
@@ -129,7 +160,19 @@ def _nvfp4_by_hand(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes[:, 0::2] | (codes[:, 1::2] << 4), block_scale, tensor_scale.reshape(())
 
 
-def _write_nvfp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
+def _mxfp4_by_hand(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The OCP MX spec's MXFP4 with the test's own encoder: (packed codes [N, K/2] uint8, E8M0 exponents
+    [N, K/32] uint8: scale 2^(e - 127), e - 127 = floor(log2 of the block's amax) - 2)."""
+    n, k = w.shape
+    amax = w.view(n, k // 32, 32).abs().amax(2)
+    exponent = torch.floor(torch.log2(amax)) - 2
+    full = torch.exp2(exponent).repeat_interleave(32, 1)
+    codes = torch.tensor([[_encode(x) for x in row] for row in (w / full).tolist()], dtype=torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def _write_fp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
+    """layout: "modelopt" / "compressed-tensors" (NVFP4) or "compressed-tensors-mxfp4"."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, out)
     state = load_file(os.path.join(src, "model.safetensors"))
@@ -138,8 +181,14 @@ def _write_nvfp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
         if not name.endswith("proj.weight"):
             tensors[name] = t
             continue
-        packed, block_scale, tensor_scale = _nvfp4_by_hand(t.float())
         module = name[: -len(".weight")]
+        if layout == "compressed-tensors-mxfp4":
+            packed, exponents = _mxfp4_by_hand(t.float())
+            tensors.update({f"{module}.weight_packed": packed, f"{module}.weight_scale": exponents})
+            dequantized[name] = fp4.from_e2m1(fp4.unpack(packed)) * torch.exp2(exponents.float() - 127).repeat_interleave(32, 1)
+            packed_by_name[name] = packed
+            continue
+        packed, block_scale, tensor_scale = _nvfp4_by_hand(t.float())
         if layout == "modelopt":
             tensors.update({name: packed, f"{module}.weight_scale": block_scale,
                             f"{module}.weight_scale_2": tensor_scale, f"{module}.input_scale": torch.tensor(1.0)})
@@ -159,9 +208,11 @@ def _write_nvfp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
                                                                        "exclude_modules": ["lm_head"]}},
                   open(os.path.join(out, "hf_quant_config.json"), "w"))
     else:
-        scheme = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-                  "dynamic": False}
-        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        mx = layout == "compressed-tensors-mxfp4"
+        scheme = {"num_bits": 4, "type": "float", "strategy": "group" if mx else "tensor_group",
+                  "group_size": 32 if mx else 16, "symmetric": True, "dynamic": False}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                      "format": "mxfp4-pack-quantized" if mx else "nvfp4-pack-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme,
                                                                     "input_activations": {**scheme, "dynamic": "local"}}},
                                       "ignore": ["lm_head"]}
@@ -169,21 +220,45 @@ def _write_nvfp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
     return dequantized, packed_by_name
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
-def test_nvfp4_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, layout):
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt", "compressed-tensors-mxfp4"])
+def test_fp4_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, monkeypatch, layout):
     src = tiny_model_factory("llama", tie_word_embeddings=False)
-    out = str(tmp_path / "nvfp4")
-    dequantized, packed = _write_nvfp4(src, out, layout)
+    out = str(tmp_path / "fp4")
+    dequantized, packed = _write_fp4(src, out, layout)
+
+    def no_float_copy(*args, **kwargs):
+        raise AssertionError("a pre-quantized layer was quantized from a float copy")
+    monkeypatch.setattr(fp4, "quantize", no_float_copy)                  # the codes go straight into the layers
     llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    monkeypatch.undo()
     model = llm.engine.core.runner.model
     down = model.model.layers[1].mlp.down_proj
-    assert down.quant_method.name == "nvfp4"
+    assert down.quant_method.name == ("mxfp4" if layout.endswith("mxfp4") else "nvfp4")
     assert torch.equal(down.fp4_weight[0], packed["model.layers.1.mlp.down_proj.weight"])   # the file's codes
     assert model.lm_head.quant_method.is_float                                         # kept float, as the file does
     hidden, expected = _hidden(llm), _hf_hidden(src, dequantized)
     assert ((hidden - expected).norm() / expected.norm()).item() < 1e-4
-    out_tokens = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(out_tokens[0].outputs[0].token_ids) == 4
+    out_tokens = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert out_tokens[0].outputs[0].token_ids == _hf_greedy(src, dequantized, 8)
+
+
+def test_mxfp4_checkpoint_errors_name_the_problem(tiny_model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_factory("llama", tie_word_embeddings=False)
+    out = str(tmp_path / "mxfp4")
+    _write_fp4(src, out, "compressed-tensors-mxfp4")
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    state["model.layers.0.mlp.down_proj.weight_scale"][0, 0] = 255               # E8M0's NaN
+    save_file(state, path)
+    with pytest.raises(ValueError, match="E8M0 255"):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="gpt-oss"):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
 
 
 def test_triton_fp4_kernel_is_the_dequantized_matmul():

@@ -34,12 +34,17 @@ def test_the_kernel_decodes_every_e4m3_code_exactly():
 
 
 def _reference_logits(model_dir: str, weights: dict[str, torch.Tensor], ids) -> torch.Tensor:
+    """transformers' logits with `weights` (checkpoint names) in place of the float checkpoint's: saved as a
+    float checkpoint and loaded, so transformers maps the names (Mixtral's experts are fused in its modules)."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    state = model.state_dict()
+    ref_dir = model_dir.rstrip("/") + "-dequantized"
+    if not os.path.isdir(ref_dir):
+        shutil.copytree(model_dir, ref_dir)
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    save_file({**state, **{n: w.contiguous() for n, w in weights.items()}}, os.path.join(ref_dir, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, w in weights.items():
-            state[name].copy_(w)
         return model(torch.tensor([ids])).logits[0, -1]
 
 
@@ -79,7 +84,7 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str) -> dict[st
     scale_name = "weight_scale_inv" if layout == "deepseek" else "weight_scale"
     tensors, dequantized = {}, {}
     for name, t in state.items():
-        if name.endswith("proj.weight"):
+        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):     # Mixtral's experts too
             q, scale = _quantize(t.float(), strategy)
             tensors[name] = q
             tensors[name[: -len("weight")] + scale_name] = scale if layout != "modelopt" else scale.reshape(())
@@ -113,10 +118,16 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str) -> dict[st
 @pytest.mark.parametrize("layout,strategy", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
                                              ("compressed-tensors", "block"), ("modelopt", "tensor"),
                                              ("deepseek", "block")])
-def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, layout, strategy):
+def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, monkeypatch, layout,
+                                                                  strategy):
+    from tokenmill.quant import fp8
     src = tiny_model_factory("llama", tie_word_embeddings=False, hidden_size=256, intermediate_size=384)
     out = str(tmp_path / "fp8")
     dequantized = _write_checkpoint(src, out, layout, strategy)
+
+    def no_float_copy(*args, **kwargs):
+        raise AssertionError("a pre-quantized layer was quantized from a float copy")
+    monkeypatch.setattr(fp8.FP8Method, "_quantize", no_float_copy)       # the codes go straight into the layers
     llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     attn = model.model.layers[0].self_attn
@@ -129,6 +140,23 @@ def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_fac
     ref = _reference_logits(src, dequantized, PROMPT)
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
     assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+def test_a_mixtral_checkpoint_keeps_its_experts_codes(tiny_model_factory, tmp_path):
+    """Mixtral names its experts block_sparse_moe.experts.E.w1 / w2 / w3: their scales find the model's
+    mlp.experts.E.gate_up_proj / down_proj, so the experts hold the file's own codes."""
+    from safetensors.torch import load_file
+    src = tiny_model_factory("mixtral", tie_word_embeddings=False, hidden_size=64)
+    out = str(tmp_path / "fp8")
+    dequantized = _write_checkpoint(src, out, "compressed-tensors", "channel")
+    llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    down = llm.engine.core.runner.model.model.layers[1].mlp.experts.get_submodule("2").down_proj
+    written = load_file(os.path.join(out, "model.safetensors"))["model.layers.1.block_sparse_moe.experts.2.w2.weight"]
+    assert down.quant_method.name == "fp8"
+    assert torch.equal(down.fp8_weight[0].view(torch.uint8), written.view(torch.uint8))
+    logits, _ = _engine_logits(llm, PROMPT)
+    ref = _reference_logits(src, dequantized, PROMPT)
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
 
 
 def test_quantization_fp8_on_a_float_checkpoint(tiny_model_factory):

@@ -1,5 +1,5 @@
 """Each quantized mode on the default model, through both kernel paths (one-pass prefill, and chunks of
-up to 16 tokens as decode steps run): perplexity within 3% of fp32 and teacher-forced greedy agreement
+up to 16 tokens as decode steps run): perplexity (of the text's first 256 tokens) within 3% of fp32 and teacher-forced greedy agreement
 >= 90% (definitions in benchmarks/quant_quality.py, which prints the same figures)."""
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def load_quality_module():
 
 @pytest.mark.slow
 def test_quantized_modes_keep_quality():
-    results = load_quality_module().evaluate(["int8", "int4", "w8a8"], full=False)
+    # perplexity over the text's first 256 tokens (the benchmark reads all ~700): w8a8's AVX2 kernels are slow
+    results = load_quality_module().evaluate(["int8", "int4", "w8a8"], full=False, text_tokens=256)
     for mode in ("int8", "int4", "w8a8"):
         for path in ("prefill", "decode"):
             r, name = results[mode][path], f"{mode} ({path} path)"

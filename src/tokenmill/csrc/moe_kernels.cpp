@@ -107,26 +107,119 @@ inline void dot_one(const float* x, int64_t K, const W* w, float* out, const flo
   out[0] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
+// One row of x against FP4 weights in blocks of 16 or 32 (K a multiple of 32): 32 weights a chunk, decoded
+// from 16 bytes by two byte shuffles (a 16-entry table of 2 x E2M1 as int8: exact small integers), one for
+// the low nibbles (the chunk's even elements) and one for the high (the odd). xp is the row with each chunk
+// of 32 reordered to match: [x0 x2 .. x14 | x16 x18 .. x30 | x1 x3 .. x15 | x17 .. x31] (fp4_chunk_order).
+// Each block's products are summed before its scale multiplies them; the table's factor 2 is undone once.
+inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+inline void dot_one_fp4(const float* xp, int64_t K, const Fp4* w, float* out, const float* scale, int64_t kblock) {
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  for (int64_t c = 0; c < K / 32; c++) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c));
+    const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(b, nibble));
+    const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    const float* x = xp + 32 * c;
+    __m256 first = _mm256_mul_ps(i8x8_to_ps(even), _mm256_loadu_ps(x));                 // elements 0..15
+    first = _mm256_fmadd_ps(i8x8_to_ps(odd), _mm256_loadu_ps(x + 16), first);
+    __m256 second = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(even, 8)), _mm256_loadu_ps(x + 8));   // 16..31
+    second = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(odd, 8)), _mm256_loadu_ps(x + 24), second);
+    if (kblock == 16) {
+      acc0 = _mm256_fmadd_ps(first, _mm256_set1_ps(scale[2 * c]), acc0);
+      acc1 = _mm256_fmadd_ps(second, _mm256_set1_ps(scale[2 * c + 1]), acc1);
+    } else {
+      acc0 = _mm256_fmadd_ps(_mm256_add_ps(first, second), _mm256_set1_ps(scale[c]), acc0);
+    }
+  }
+  out[0] = 0.5f * hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// Several rows of x (ldx apart, in xp's order) against FP4 weights in blocks of 16 or 32: each chunk's 32
+// weights decoded once (as dot_one_fp4 does) and scaled, then shared by the M rows' FMAs.
+template <int M>
+inline void dot_rows_fp4(const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo, const float* scale,
+                         int64_t kblock) {
+  const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
+  __m256 acc[M];
+  for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c));
+    const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(b, nibble));
+    const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    const __m256 s0 = _mm256_set1_ps(kblock == 16 ? scale[2 * c] : scale[c]);        // elements 0..15
+    const __m256 s1 = _mm256_set1_ps(kblock == 16 ? scale[2 * c + 1] : scale[c]);    // elements 16..31
+    const __m256 v[4] = {_mm256_mul_ps(i8x8_to_ps(even), s0), _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(even, 8)), s1),
+                         _mm256_mul_ps(i8x8_to_ps(odd), s0), _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(odd, 8)), s1)};
+    for (int i = 0; i < M; i++) {
+      const float* x = xp + i * K + 32 * c;
+      for (int j = 0; j < 4; j++) acc[i] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + 8 * j), acc[i]);
+    }
+  }
+  for (int i = 0; i < M; i++) out[i * ldo] = 0.5f * hsum(acc[i]);
+}
+
+// f(std::integral_constant<int, m>{}) for m = 1..8 (m > 8 as 8): a row count made a template argument.
+template <class F>
+inline void with_rows(int m, F&& f) {
+  switch (m) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+inline void dot_any_fp4(int m, const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo,
+                        const float* scale, int64_t kblock) {
+  with_rows(m, [&](auto rows) {
+    if constexpr (rows() == 1) dot_one_fp4(xp, K, w, out, scale, kblock);
+    else dot_rows_fp4<rows()>(xp, K, w, out, ldo, scale, kblock);
+  });
+}
+
+// x [K] -> the order dot_one_fp4 and dot_rows_fp4 read (K a multiple of 32).
+void fp4_chunk_order(const float* x, int64_t K, float* xp) {
+  for (int64_t c = 0; c < K; c += 32)
+    for (int j = 0; j < 16; j++) {
+      xp[c + j] = x[c + 2 * j];
+      xp[c + 16 + j] = x[c + 2 * j + 1];
+    }
+}
+
 template <class W>
 inline void dot_any(int m, const float* x, int64_t K, const W* w, float* out, int64_t ldo, const float* scale,
                     int64_t kblock) {
-  switch (m) {
-    case 1:   // FP4's decode is the bound at one row: the split chains measured slower there (19 vs 25 tok/s)
-      if constexpr (std::is_same_v<W, Fp4>) return dot_rows<1>(x, K, w, out, ldo, scale, kblock);
-      else return dot_one(x, K, w, out, scale, kblock);
-    case 2: return dot_rows<2>(x, K, w, out, ldo, scale, kblock);
-    case 3: return dot_rows<3>(x, K, w, out, ldo, scale, kblock);
-    case 4: return dot_rows<4>(x, K, w, out, ldo, scale, kblock);
-    case 5: return dot_rows<5>(x, K, w, out, ldo, scale, kblock);
-    case 6: return dot_rows<6>(x, K, w, out, ldo, scale, kblock);
-    case 7: return dot_rows<7>(x, K, w, out, ldo, scale, kblock);
-    default: return dot_rows<8>(x, K, w, out, ldo, scale, kblock);
-  }
+  with_rows(m, [&](auto rows) {
+    // FP4 comes here only off dot_any_fp4's shapes: its decode is the bound, the split chains measured slower
+    if constexpr (rows() == 1 && !std::is_same_v<W, Fp4>) dot_one(x, K, w, out, scale, kblock);
+    else dot_rows<rows()>(x, K, w, out, ldo, scale, kblock);
+  });
+}
+
+// FP4 in blocks of 16 or 32 with K a multiple of 32 takes dot_any_fp4, reading xp: x's R rows in its order.
+bool fp4_reordered_rows(const float* x, int64_t R, int64_t K, int64_t kblock, std::vector<float>& xp) {
+  if (K % 32 != 0 || (kblock != 16 && kblock != 32)) return false;
+  xp.resize(R * K);
+  for (int64_t r = 0; r < R; r++) fp4_chunk_order(x + r * K, K, xp.data() + r * K);
+  return true;
 }
 
 template <class W>
 void grouped(const float* x, const int64_t* starts, const W* w, const float* scale, float* y, int64_t E,
              int64_t N, int64_t K, int64_t kblock) {
+  std::vector<float> xp;
+  bool fp4_fast = false;
+  if constexpr (std::is_same_v<W, Fp4>) fp4_fast = fp4_reordered_rows(x, starts[E], K, kblock, xp);
   const int64_t KB = (K + kblock - 1) / kblock;   // scales per output row
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   std::vector<int64_t> items;                 // e * blocks + b for experts with rows
@@ -140,6 +233,14 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
       for (int64_t n = n0; n < n1; n++) {
         const W* wrow = w + (e * N + n) * K / kPerElem<W>;
         const float* s = scale ? scale + (e * N + n) * KB : nullptr;
+        if constexpr (std::is_same_v<W, Fp4>) {
+          if (fp4_fast) {
+            for (int64_t r = r0; r < r1; r += kRowsPerPass)
+              dot_any_fp4((int)std::min<int64_t>(kRowsPerPass, r1 - r), xp.data() + r * K, K, wrow, y + r * N + n, N,
+                          s, kblock);
+            continue;
+          }
+        }
         for (int64_t r = r0; r < r1; r += kRowsPerPass)
           dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s, kblock);
       }

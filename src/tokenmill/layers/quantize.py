@@ -66,17 +66,58 @@ def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, mod
 
 
 def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) -> None:
-    """A pre-quantized checkpoint (quant/prequantized.py): weights dequantized as read, then, for the
-    format's own method (fp8), quantized back with the checkpoint's scales (its exact codes) and the
-    layers it keeps in float kept so; another method quantizes the float weights as usual."""
+    """A pre-quantized checkpoint (quant/prequantized.py). For the format's own method (fp8, nvfp4, mxfp4)
+    each quantized layer takes the checkpoint's codes as they are, with its scales (no float copy of the
+    weight is made), and the layers it keeps in float stay so. Another method gets the weights dequantized
+    as read and quantizes them as usual."""
     from tokenmill.quant.prequantized import attach_scales, dequantized_weights, read_scales
     scales = read_scales(iter_weights, fmt)
-    model.load_weights(dequantized_weights(iter_weights, fmt, scales))
-    if method is not None and method.name == fmt.method:
-        quantized = attach_scales(model, scales, fmt)
-        quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized)
-    else:
+    if method is None or method.name != fmt.method:
+        model.load_weights(dequantized_weights(iter_weights, fmt, scales))
         quantize_model(model, method)
+        return
+    quantized = attach_scales(model, scales, fmt)
+    sink = _CodeSink(model, quantized, method, fmt)
+    model.load_weights(dequantized_weights(iter_weights, fmt, scales, sink.take))
+    sink.check_complete()
+    quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized)
+
+
+class _CodeSink:
+    """Takes a pre-quantized checkpoint's codes into their layers as they are read: each layer's float
+    weight is dropped before loading (never filled), its shards' codes (this rank's rows and columns)
+    collected, and handed to method.set_codes once every row of the layer has them."""
+
+    def __init__(self, model: nn.Module, layers: set[str], method: QuantMethod, fmt) -> None:
+        self.model, self.method, self.fmt = model, method, fmt
+        self.modules = dict(model.named_modules())
+        self.pending = {name: [] for name in layers}          # layer name -> [(rows in the layer, codes)]
+        self.devices = {}
+        for name in layers:
+            self.devices[name] = self.modules[name].weight.device
+            self.modules[name].weight = None
+
+    def take(self, ckpt_module: str, tensor) -> bool:
+        from tokenmill.loaders.lazy import read_part
+        layer_name, shard = _linear_target(self.model.checkpoint_name(ckpt_module + ".weight"), self.model.STACKED)
+        if layer_name not in self.pending:
+            return False
+        layer = self.modules[layer_name]
+        rows, cols = layer.checkpoint_slice(shard)
+        if self.fmt.fp4_group:                           # two codes a byte: this rank's columns' bytes
+            cols = slice(None if cols.start is None else cols.start // 2, None if cols.stop is None else cols.stop // 2)
+        target = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
+        parts = self.pending[layer_name]
+        parts.append((target, read_part(tensor, rows, cols)))
+        if sum(codes.shape[0] for _, codes in parts) == layer.out_features:
+            self.method.set_codes(layer, parts, self.devices[layer_name])
+            del self.pending[layer_name]
+        return True
+
+    def check_complete(self) -> None:
+        if self.pending:
+            name = sorted(self.pending)[0]
+            raise ValueError(f"checkpoint is missing the {self.fmt.weight_name} tensors of {name} (it has their scales)")
 
 
 def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:

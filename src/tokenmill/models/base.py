@@ -77,6 +77,11 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name in this model's module names (load_weights renames the same way)."""
+        return name
+
     def greedy_head_linear(self) -> nn.Module | None:
         """The Linear whose logits' argmax is the greedy token (compute_logits adds nothing), or None."""
         return None

@@ -53,9 +53,12 @@ class MoEMixin:
 class MixtralForCausalLM(MoEMixin, LlamaForCausalLM):
     STACKED = {**LlamaForCausalLM.STACKED, "gate_up_proj": [("w1", "gate"), ("w3", "up")]}
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name.replace(".block_sparse_moe.", ".mlp.").replace(".w2.", ".down_proj.")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        renamed = ((name.replace(".block_sparse_moe.", ".mlp.").replace(".w2.", ".down_proj."), t)
-                   for name, t in weights)
+        renamed = ((self.checkpoint_name(name), t) for name, t in weights)
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         load_named_weights(self, renamed, self.STACKED, self.IGNORED_SUFFIXES,
                            lambda n: n in skip or self.other_ranks_expert(n))

@@ -79,6 +79,18 @@ def quantize(w: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     return pack(to_e2m1(torch.where(full > 0, w / full.clamp_min(torch.finfo(torch.float32).tiny), 0.0)))
 
 
+def assemble_codes(layer, codes: list, name: str) -> torch.Tensor:
+    """A layer's packed codes [N, K / 2] from its shards': codes = [(rows of the layer, uint8 [n, K / 2])]
+    covering the layer."""
+    packed = torch.empty(layer.out_features, layer.in_features // 2, dtype=torch.uint8)
+    for rows, c in codes:
+        if c.dtype != torch.uint8 or c.shape != packed[rows].shape:
+            raise ValueError(f"{layer.prefix or 'a linear layer'}: an {name.upper()} weight must be uint8 "
+                             f"{tuple(packed[rows].shape)} (two codes a byte), got {c.dtype} {tuple(c.shape)}")
+        packed[rows] = c
+    return packed
+
+
 class FP4Method(QuantMethod):
     """The shared part of NVFP4 and MXFP4: packed E2M1 codes [1, N, K / 2] and float32 scales [1, N, K / block]
     as buffers (`fp4_weight`, `fp4_scale`), the grouped GEMM kernel on them."""
@@ -95,15 +107,11 @@ class FP4Method(QuantMethod):
         """w [n, K] float32 -> the float32 scale of every block [n, K / block]."""
         raise NotImplementedError
 
-    def layer_scales(self, layer, w: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's scales where it is pre-quantized (quant/prequantized.py attaches `checkpoint_fp4`:
-        per shard, its rows in the layer and their [rows, K / block] scales; quantizing the dequantized
-        weights with them gives back the checkpoint's codes), else the format's own from w."""
-        parts = getattr(layer, "checkpoint_fp4", None)
-        if not parts:
-            return self.block_scales(w)
-        scales = torch.full((w.shape[0], w.shape[1] // self.block), float("nan"))
-        for rows, part in parts:
+    def checkpoint_scales(self, layer) -> torch.Tensor:
+        """A pre-quantized checkpoint's scales [N, K / block] (quant/prequantized.py attaches `checkpoint_fp4`:
+        per shard, its rows in the layer and their scales)."""
+        scales = torch.full((layer.out_features, layer.in_features // self.block), float("nan"))
+        for rows, part in layer.checkpoint_fp4:
             scales[rows] = part
         if torch.isnan(scales).any():
             raise ValueError(f"{layer.prefix or 'a linear layer'}: the checkpoint gives FP4 scales for only some of "
@@ -111,12 +119,20 @@ class FP4Method(QuantMethod):
         return scales
 
     def process_weights_after_loading(self, layer) -> None:
-        w = layer.weight.data.float()
-        scales = self.layer_scales(layer, w)
-        packed = quantize(w, scales, self.block)
+        if getattr(layer, "fp4_weight", None) is None:          # not already given the checkpoint's codes
+            w = layer.weight.data.float()
+            scales = self.checkpoint_scales(layer) if getattr(layer, "checkpoint_fp4", None) else self.block_scales(w)
+            self._register(layer, quantize(w, scales, self.block), scales)
+        self.drop_float_weight(layer)
+
+    def set_codes(self, layer, codes: list, device: torch.device) -> None:
+        """The checkpoint's own codes, kept as they are (no float copy), with the scales of `checkpoint_fp4`."""
+        self._register(layer, assemble_codes(layer, codes, self.name), self.checkpoint_scales(layer))
+
+    @staticmethod
+    def _register(layer, packed: torch.Tensor, scales: torch.Tensor) -> None:
         layer.register_buffer("fp4_weight", packed.unsqueeze(0).contiguous(), persistent=False)          # [1, N, K/2]
         layer.register_buffer("fp4_scale", scales.float().unsqueeze(0).contiguous(), persistent=False)   # [1, N, K/b]
-        self.drop_float_weight(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         from tokenmill.quant.fp8 import grouped_linear

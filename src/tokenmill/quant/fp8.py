@@ -34,19 +34,43 @@ class FP8Method(QuantMethod):
                              f"{layer.in_features}] needs in_features a multiple of 8")
 
     def process_weights_after_loading(self, layer) -> None:
-        w = layer.weight.data.float()
+        if getattr(layer, "fp8_weight", None) is None:          # not already given the checkpoint's codes
+            self._quantize(layer, layer.weight.data.float())
+        self.drop_float_weight(layer)
+
+    def _quantize(self, layer, w: torch.Tensor) -> None:
         parts = getattr(layer, "checkpoint_fp8", None) or [(slice(0, w.shape[0]), "channel", None)]
-        kblock = BLOCK if any(strategy == "block" for _, strategy, _ in parts) else w.shape[1]
+        kblock = _kblock(parts, w.shape[1])
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
         scales = torch.empty(w.shape[0], -(-w.shape[1] // kblock))
         for rows, strategy, scale in parts:
             full = expand_scale(w[rows], strategy, scale, kblock)       # [n, K / kblock]
             q[rows] = quantize_with(w[rows], full, kblock)
             scales[rows] = full
+        self._register(layer, q, scales, kblock)
+
+    def set_codes(self, layer, codes: list, device: torch.device) -> None:
+        """The checkpoint's own codes, kept as they are (no float copy): codes = [(rows of the layer,
+        float8_e4m3fn [n, K])], one per shard of `checkpoint_fp8` (the same rows), covering the layer."""
+        parts = layer.checkpoint_fp8
+        kblock = _kblock(parts, layer.in_features)
+        q = torch.empty(layer.out_features, layer.in_features, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(layer.out_features, -(-layer.in_features // kblock))
+        by_rows = {(rows.start, rows.stop): c for rows, c in codes}
+        for rows, strategy, scale in parts:
+            c = by_rows[(rows.start, rows.stop)]
+            if c.dtype != torch.float8_e4m3fn or c.shape != q[rows].shape:
+                raise ValueError(f"{layer.prefix or 'a linear layer'}: an FP8 weight must be float8_e4m3fn "
+                                 f"{tuple(q[rows].shape)}, got {c.dtype} {tuple(c.shape)}")
+            q[rows] = c
+            scales[rows] = expand_scale(c, strategy, scale, kblock)
+        self._register(layer, q, scales, kblock)
+
+    @staticmethod
+    def _register(layer, q: torch.Tensor, scales: torch.Tensor, kblock: int) -> None:
         layer.register_buffer("fp8_weight", q.unsqueeze(0).contiguous(), persistent=False)    # [1, N, K]
         layer.register_buffer("fp8_scale", scales.unsqueeze(0).contiguous(), persistent=False)  # [1, N, KB]
         layer.fp8_kblock = kblock
-        self.drop_float_weight(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
@@ -67,7 +91,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k
 
 def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int) -> torch.Tensor:
     """The scale of every (row, block of kblock inputs) of w [n, K]: from the checkpoint's per-tensor [1],
-    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale, or (None) amax / 448 per row."""
+    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale (w is then only its shape: codes do), or
+    (None) amax / 448 per row."""
     n, k = w.shape
     kb = -(-k // kblock)
     if scale is None:
@@ -81,6 +106,11 @@ def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kbl
     if strategy == "block":                          # [ceil(n / 128), ceil(k / 128)] -> per row
         return scale.repeat_interleave(BLOCK, dim=0)[:n, :kb].contiguous()
     raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
+
+
+def _kblock(parts, k: int) -> int:
+    """Inputs per scale: 128 when any shard's scales are 128 x 128 blocks, else the whole row."""
+    return BLOCK if any(strategy == "block" for _, strategy, _ in parts) else k
 
 
 def quantize_with(w: torch.Tensor, scales: torch.Tensor, kblock: int) -> torch.Tensor:

@@ -14,9 +14,12 @@ NVFP4 weights (E2M1 codes packed two a byte, an E4M3 scale per 16 inputs, a floa
   divisor: w = e2m1 x weight_scale / weight_global_scale);
 - ModelOpt (quant_algo NVFP4): `weight` uint8 [N, K/2], `weight_scale` [N, K/16], `weight_scale_2` [] (a
   multiplier).
+MXFP4 weights (E2M1 codes packed two a byte, an E8M0 scale 2^(e - 127) per 32 inputs, no tensor scale), from
+- compressed-tensors (format mxfp4-pack-quantized; weights num_bits 4, type float, strategy group,
+  group_size 32): `weight_packed` uint8 [N, K/2], `weight_scale` uint8 / float8_e8m0fnu [N, K/32].
 Their activations run float32 (weight-only), whatever the checkpoint's input scales say.
 `input_scale` (static activation scales) is read and not used: activations stay float32 on the CPU.
-Anything else (MXFP4 checkpoints, integer schemes, ...) is an error that names it."""
+Anything else (gpt-oss's MXFP4 experts, integer schemes, ...) is an error that names it."""
 from __future__ import annotations
 
 import json
@@ -25,18 +28,25 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED = "FP8 E4M3 weights per tensor, per channel or in 128x128 blocks; NVFP4 weights (groups of 16)"
+SUPPORTED = ("FP8 E4M3 weights per tensor, per channel or in 128x128 blocks; NVFP4 weights (groups of 16); "
+             "MXFP4 weights (groups of 32, compressed-tensors)")
 NVFP4_GROUP = 16
+FP4_GROUPS = {"nvfp4": NVFP4_GROUP, "mxfp4": 32}     # FP4 strategy -> inputs per block scale
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     vendor: str                    # "compressed-tensors" | "modelopt" | "fp8" (DeepSeek's native format)
-    strategy: str                  # "tensor" | "channel" | "block" (FP8) | "nvfp4"
+    strategy: str                  # "tensor" | "channel" | "block" (FP8) | "nvfp4" | "mxfp4"
     scale_name: str                # "weight_scale" | "weight_scale_inv"
     method: str = "fp8"            # the quant/ method that serves it
     global_scale_name: str = ""    # NVFP4's per-tensor scale: "weight_scale_2" (x) | "weight_global_scale" (/)
-    weight_name: str = "weight"    # the codes' tensor: "weight" | "weight_packed" (compressed-tensors NVFP4)
+    weight_name: str = "weight"    # the codes' tensor: "weight" | "weight_packed" (compressed-tensors FP4)
+
+    @property
+    def fp4_group(self) -> int:
+        """Inputs per block scale of an FP4 format; 0 for FP8."""
+        return FP4_GROUPS.get(self.strategy, 0)
 
 
 def detect(hf_config, model_path: str) -> CheckpointQuant | None:
@@ -51,6 +61,10 @@ def detect(hf_config, model_path: str) -> CheckpointQuant | None:
     if not qc:
         return None
     kind = qc.get("quant_method")
+    if kind == "mxfp4":
+        raise ValueError("quant_method 'mxfp4' is gpt-oss's checkpoint format (experts as *_blocks / *_scales), "
+                         "and tokenmill has no gpt-oss architecture (attention sinks, clamped SwiGLU experts); "
+                         f"supported: {SUPPORTED}")
     if kind == "compressed-tensors":
         return _compressed_tensors(qc)
     if kind == "modelopt":
@@ -78,6 +92,10 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                                                                                            NVFP4_GROUP):
             strategies.add("nvfp4")
             continue
+        if (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("group_size")) == (4, "float", "group",
+                                                                                           FP4_GROUPS["mxfp4"]):
+            strategies.add("mxfp4")
+            continue
         ok = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel", "block")
         if w.get("strategy") == "block" and list(w.get("block_structure") or [128, 128]) != [128, 128]:
             ok = False
@@ -91,6 +109,8 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
     if strategies == {"nvfp4"}:
         return CheckpointQuant("compressed-tensors", "nvfp4", "weight_scale", "nvfp4", "weight_global_scale",
                                "weight_packed")
+    if strategies == {"mxfp4"}:
+        return CheckpointQuant("compressed-tensors", "mxfp4", "weight_scale", "mxfp4", "", "weight_packed")
     return CheckpointQuant("compressed-tensors", strategies.pop(), "weight_scale")
 
 
@@ -101,10 +121,10 @@ def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor]:
     scales, tensor_scales = {}, {}
     for name, t in iter_weights():
         if name.endswith(suffix):
-            scales[name[: -len(suffix)]] = read_part(t, slice(None), slice(None)).float()
+            scales[name[: -len(suffix)]] = _scale_values(read_part(t, slice(None), slice(None)), fmt)
         elif fmt.global_scale_name and name.endswith(tensor_suffix):
             tensor_scales[name[: -len(tensor_suffix)]] = read_part(t, slice(None), slice(None)).float().reshape(())
-    if fmt.strategy != "nvfp4":
+    if not fmt.global_scale_name:
         return scales
     missing = sorted(set(scales) - set(tensor_scales))
     if missing:
@@ -113,9 +133,23 @@ def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor]:
     return {m: s / tensor_scales[m] if divide else s * tensor_scales[m] for m, s in scales.items()}
 
 
-def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, torch.Tensor]):
-    """(checkpoint name, tensor) pairs, each FP8 weight dequantized by its scale as it is read (one at a
-    time), the scale tensors themselves left out."""
+def _scale_values(scale: torch.Tensor, fmt: CheckpointQuant) -> torch.Tensor:
+    """A scale tensor as float32 multipliers: MXFP4's E8M0 bytes (uint8 or float8_e8m0fnu) are exponents."""
+    if fmt.strategy != "mxfp4":
+        return scale.float()
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise ValueError(f"an MXFP4 weight_scale must be E8M0 (uint8 or float8_e8m0fnu), got {scale.dtype}")
+    from tokenmill.quant.fp4 import e8m0_to_float
+    exponents = scale.view(torch.uint8)
+    if (exponents == 255).any():
+        raise ValueError("an MXFP4 weight_scale holds E8M0 255, which is NaN")
+    return e8m0_to_float(exponents)
+
+
+def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, torch.Tensor], take_codes=None):
+    """(checkpoint name, tensor) pairs, each FP8 / FP4 weight dequantized by its scale as it is read (one at a
+    time), the scale tensors themselves left out. take_codes(module, tensor) -> bool, when given, is offered
+    every quantized weight first: True means it kept the codes as they are (then nothing is yielded)."""
     from tokenmill.loaders.lazy import read_part
     from tokenmill.quant.fp8 import BLOCK, dequantize, expand_scale
     skipped = ("." + fmt.scale_name, ".input_scale", ".weight_scale_2", ".weight_global_scale", ".input_global_scale")
@@ -127,9 +161,11 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
         if module not in scales:
             yield name, t
             continue
+        if take_codes is not None and take_codes(module, t):
+            continue
         q = read_part(t, slice(None), slice(None))
-        if fmt.strategy == "nvfp4":
-            yield module + ".weight", _dequantize_nvfp4(name, q, scales[module])
+        if fmt.fp4_group:
+            yield module + ".weight", _dequantize_fp4(name, q, scales[module], fmt)
             continue
         if q.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: a {fmt.vendor} FP8 weight must be float8_e4m3fn, got {q.dtype}")
@@ -137,12 +173,13 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
         yield name, dequantize(q, expand_scale(q.float(), fmt.strategy, scales[module], kblock), kblock)
 
 
-def _dequantize_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _dequantize_fp4(name: str, packed: torch.Tensor, scales: torch.Tensor, fmt: CheckpointQuant) -> torch.Tensor:
     from tokenmill.quant.fp4 import dequantize
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or scales.shape != (packed.shape[0], packed.shape[1] * 2 // NVFP4_GROUP):
-        raise ValueError(f"{name}: an NVFP4 weight must be uint8 [N, K/2] with scales [N, K/16]; got {packed.dtype} "
-                         f"{tuple(packed.shape)} and scales {tuple(scales.shape)}")
-    return dequantize(packed, scales, NVFP4_GROUP)
+    group = fmt.fp4_group
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or scales.shape != (packed.shape[0], packed.shape[1] * 2 // group):
+        raise ValueError(f"{name}: an {fmt.strategy.upper()} weight must be uint8 [N, K/2] with scales "
+                         f"[N, K/{group}]; got {packed.dtype} {tuple(packed.shape)} and scales {tuple(scales.shape)}")
+    return dequantize(packed, scales, group)
 
 
 def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) -> set[str]:
@@ -155,17 +192,17 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
     modules = dict(model.named_modules())
     done = set()
     for ckpt_module, scale in scales.items():
-        layer_name, shard = _linear_target(ckpt_module + ".weight", model.STACKED)
+        layer_name, shard = _linear_target(model.checkpoint_name(ckpt_module + ".weight"), model.STACKED)
         layer = modules.get(layer_name)
         if not isinstance(layer, Linear):
             continue
         rows, cols = layer.checkpoint_slice(shard)
         part = scale
-        if fmt.strategy == "nvfp4":                     # [N, K/16]: this rank's rows, its columns' groups
-            c0, c1 = cols.start or 0, cols.stop
-            if c0 % NVFP4_GROUP or (c1 is not None and c1 % NVFP4_GROUP):
-                raise ValueError(f"{layer_name}: this rank's columns do not start on a {NVFP4_GROUP}-group boundary")
-            part = scale[rows, c0 // NVFP4_GROUP: None if c1 is None else c1 // NVFP4_GROUP]
+        if fmt.fp4_group:                    # [N, K / group]: this rank's rows, its columns' groups
+            group, c0, c1 = fmt.fp4_group, cols.start or 0, cols.stop
+            if c0 % group or (c1 is not None and c1 % group):
+                raise ValueError(f"{layer_name}: this rank's columns do not start on a {group}-group boundary")
+            part = scale[rows, c0 // group: None if c1 is None else c1 // group]
             target_rows = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
             layer.checkpoint_fp4 = getattr(layer, "checkpoint_fp4", []) + [(target_rows, part)]
             done.add(layer_name)
@@ -185,4 +222,23 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
         target_rows = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
         layer.checkpoint_fp8 = getattr(layer, "checkpoint_fp8", []) + [(target_rows, fmt.strategy, part)]
         done.add(layer_name)
+    for layer_name in done:
+        _check_rows_covered(modules[layer_name], layer_name)
     return done
+
+
+def checkpoint_parts(layer) -> list:
+    """The shards attach_scales gave a layer: (rows in the layer, ...) for FP8 or FP4."""
+    return getattr(layer, "checkpoint_fp8", None) or getattr(layer, "checkpoint_fp4", None) or []
+
+
+def _check_rows_covered(layer, layer_name: str) -> None:
+    rows = sorted((r.start, r.stop) for r, *_ in checkpoint_parts(layer))
+    covered = 0
+    for start, stop in rows:
+        if start != covered:
+            break
+        covered = stop
+    if covered != layer.out_features:
+        raise ValueError(f"{layer_name}: the checkpoint quantizes only some of this fused layer's parts (rows "
+                         f"{rows} of {layer.out_features}); a fused layer with a part kept in float is not supported")

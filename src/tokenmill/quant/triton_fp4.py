@@ -83,13 +83,24 @@ class _TritonFP4(QuantMethod):
                              f"[{layer.out_features}, {layer.in_features}] needs in_features a multiple of 32")
 
     def process_weights_after_loading(self, layer) -> None:
-        w = layer.weight.data.float()
-        block = self.cpu_method.block
-        scales = self.cpu_method().block_scales(w)                                 # [N, K/block]
-        codes = fp4.unpack(fp4.quantize(w, scales, block))                         # [N, K] 0..15
-        layer.register_buffer("qweight", pack_int4(codes).to(w.device), persistent=False)        # [K/2, N]
-        layer.register_buffer("scales", scales.t().contiguous().to(w.device), persistent=False)  # [K/block, N]
+        if getattr(layer, "qweight", None) is None:             # not already given the checkpoint's codes
+            w = layer.weight.data.float()
+            cpu = self.cpu_method()
+            scales = cpu.checkpoint_scales(layer) if getattr(layer, "checkpoint_fp4", None) else cpu.block_scales(w)
+            self._register(layer, fp4.quantize(w, scales.to(w.device), cpu.block), scales, w.device)
         self.drop_float_weight(layer)
+
+    def set_codes(self, layer, codes: list, device: torch.device) -> None:
+        """The checkpoint's own codes (no float copy), with the scales of `checkpoint_fp4`."""
+        self._register(layer, fp4.assemble_codes(layer, codes, self.name), self.cpu_method().checkpoint_scales(layer),
+                       device)
+
+    @staticmethod
+    def _register(layer, packed: torch.Tensor, scales: torch.Tensor, device: torch.device) -> None:
+        """packed [N, K/2] (the checkpoints' byte order), scales [N, K/block] -> the kernel's layouts."""
+        codes = fp4.unpack(packed)                                                                # [N, K] 0..15
+        layer.register_buffer("qweight", pack_int4(codes).to(device), persistent=False)          # [K/2, N]
+        layer.register_buffer("scales", scales.float().t().contiguous().to(device), persistent=False)  # [K/block, N]
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return self.add_bias(layer, fp4_matmul(x, layer.qweight, layer.scales, self.cpu_method.block))
