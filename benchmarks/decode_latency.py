@@ -56,13 +56,13 @@ def linear_bytes(model) -> int:
     names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",),
              ("w8a8_weight_t", "w8a8_weight_scale"),
              ("int4_packed", "scales_and_zeros"), ("qweight", "scales"), ("fp8_weight", "fp8_scale"),
-             ("fp4_weight", "fp4_scale")]
+             ("fp4_weight", "fp4_scale", "fp4_row_scale")]
     total = 0
     for m in model.modules():
         if not isinstance(m, Linear):
             continue
         read = next(group for group in names if getattr(m, group[0], None) is not None)
-        tensors = [getattr(m, n) for n in read] + ([m.bias] if m.bias is not None else [])
+        tensors = [t for t in (getattr(m, n) for n in read) if t is not None] + ([m.bias] if m.bias is not None else [])
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 

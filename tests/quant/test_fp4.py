@@ -43,15 +43,24 @@ def test_encoder_rounds_to_nearest_with_ties_to_even_and_saturates():
 def test_the_kernel_decodes_every_code_and_scale_exactly(method):
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantize import quantize_model
-    layer = Linear(64, 4)
-    layer.weight.data.zero_()
+    layer = Linear(64, 64)
+    layer.weight.data.normal_()
     quantize_model(layer, method)
     codes = torch.arange(64, dtype=torch.uint8) % 16
     layer.fp4_weight[0, :] = fp4.pack(codes)
-    layer.fp4_scale.copy_(torch.linspace(0.5, 3.0, layer.fp4_scale.numel()).view_as(layer.fp4_scale))
+    if method == "nvfp4":          # E4M3 block-scale bytes (all 254 that are not NaN) x one scale per row
+        assert layer.fp4_scale.dtype == torch.float8_e4m3fn and layer.fp4_row_scale is not None
+        scale_bytes = torch.arange(256, dtype=torch.uint8)
+        scale_bytes = scale_bytes[(scale_bytes & 0x7F) != 0x7F]
+        layer.fp4_scale.view(torch.uint8).view(-1)[:] = scale_bytes.repeat(2)[:layer.fp4_scale.numel()]
+        # powers of two: the kernel applies a row's scale to its sums, exact only then in any order
+        layer.fp4_row_scale.copy_((2.0 ** torch.arange(-2, 2)).repeat(16).view_as(layer.fp4_row_scale))
+    else:
+        layer.fp4_scale.copy_(torch.linspace(0.5, 3.0, layer.fp4_scale.numel()).view_as(layer.fp4_scale))
     block = {"nvfp4": 16, "mxfp4": 32}[method]
     y = layer(torch.eye(64))                                            # row k: input k alone
-    expected = fp4.from_e2m1(codes).unsqueeze(1) * layer.fp4_scale[0].repeat_interleave(block, dim=1).t()
+    scales = fp4.FP4Method.float_scales(layer)                          # [64 rows, 64 / block]
+    expected = fp4.from_e2m1(codes).unsqueeze(1) * scales.repeat_interleave(block, dim=1).t()
     assert torch.equal(y, expected)
     for k in range(64):                                                 # one row a call: the decode path
         assert torch.equal(layer(torch.eye(64)[k:k + 1]), expected[k:k + 1])
@@ -66,7 +75,7 @@ def test_one_row_and_many_rows_give_the_dequantized_matmul(method):
     layer.weight.data.copy_(torch.randn(21, 96, generator=g))
     quantize_model(layer, method)
     block = {"nvfp4": 16, "mxfp4": 32}[method]
-    w = fp4.dequantize(layer.fp4_weight[0], layer.fp4_scale[0], block)
+    w = fp4.dequantize(layer.fp4_weight[0], fp4.FP4Method.float_scales(layer), block)
     x = torch.randn(11, 96, generator=g)
     for rows in (x[:1], x[3:4], x[:2], x):                              # batch 1 reads its own code path
         ref = rows.double() @ w.double().t()
@@ -141,7 +150,7 @@ def test_quantization_at_load_equals_the_dequantized_reference(tiny_model_factor
         for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
                              ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
             lin = layer.get_submodule(fused)
-            w = fp4.dequantize(lin.fp4_weight[0], lin.fp4_scale[0], m.block)
+            w = fp4.dequantize(lin.fp4_weight[0], fp4.FP4Method.float_scales(lin), m.block)
             sizes = [state[f"model.layers.{i}.{fused.split('.')[0]}.{p}.weight"].shape[0] for p in parts]
             for p, piece in zip(parts, w.split(sizes)):
                 ref[f"model.layers.{i}.{fused.split('.')[0]}.{p}.weight"] = piece
@@ -235,6 +244,10 @@ def test_fp4_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp
     down = model.model.layers[1].mlp.down_proj
     assert down.quant_method.name == ("mxfp4" if layout.endswith("mxfp4") else "nvfp4")
     assert torch.equal(down.fp4_weight[0], packed["model.layers.1.mlp.down_proj.weight"])   # the file's codes
+    if not layout.endswith("mxfp4"):                          # and its E4M3 block scales, as bytes
+        from safetensors.torch import load_file
+        written = load_file(os.path.join(out, "model.safetensors"))["model.layers.1.mlp.down_proj.weight_scale"]
+        assert torch.equal(down.fp4_scale[0].view(torch.uint8), written.view(torch.uint8))
     assert model.lm_head.quant_method.is_float                                         # kept float, as the file does
     hidden, expected = _hidden(llm), _hf_hidden(src, dequantized)
     assert ((hidden - expected).norm() / expected.norm()).item() < 1e-4

@@ -431,7 +431,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("max_rows", &DecodeLayer::max_rows, "the most rows a decode step may have");
 #ifdef TOKENMILL_MOE_KERNELS   // AVX2 + FMA builds; Python checks hasattr(module, "moe_grouped_gemm")
   m.def("moe_grouped_gemm", &moe_grouped_gemm, "rows sorted by expert x each expert's [N, K] weight (CPU)",
-        py::arg("x"), py::arg("run_starts"), py::arg("w"), py::arg("scale"), py::arg("kblock") = 0);
+        py::arg("x"), py::arg("run_starts"), py::arg("w"), py::arg("scale"), py::arg("kblock") = 0,
+        py::arg("row_scale") = py::none());
 #endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));

@@ -114,7 +114,38 @@ inline void dot_one(const float* x, int64_t K, const W* w, float* out, const flo
 // Each block's products are summed before its scale multiplies them; the table's factor 2 is undone once.
 inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-inline void dot_one_fp4(const float* xp, int64_t K, const Fp4* w, float* out, const float* scale, int64_t kblock) {
+// E4M3 byte -> float32 (as load8(const Fp8*) decodes it; 0x7F / 0xFF, NaN, are not decoded).
+float e4m3_value(uint8_t b) {
+  uint32_t bits = uint32_t(b & 0x7F) << 20;
+  float magnitude;
+  std::memcpy(&magnitude, &bits, 4);
+  magnitude *= 0x1p120f;
+  return (b & 0x80) ? -magnitude : magnitude;
+}
+
+const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; b++) t[b] = e4m3_value(uint8_t(b));
+    return t;
+  }();
+  return table.data();
+}
+
+// A row's block scales as the FP4 dot products read them: float32, or E4M3 bytes (decoded by a table lookup
+// as read; the row's tensor scale is applied to the finished sums).
+struct F32Scales {
+  const float* s;
+  float operator[](int64_t b) const { return s[b]; }
+};
+struct E4M3Scales {
+  const uint8_t* s;
+  const float* table;
+  float operator[](int64_t b) const { return table[s[b]]; }
+};
+
+template <class S>
+inline void dot_one_fp4(const float* xp, int64_t K, const Fp4* w, float* out, S scale, int64_t kblock) {
   const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
@@ -140,8 +171,8 @@ inline void dot_one_fp4(const float* xp, int64_t K, const Fp4* w, float* out, co
 
 // Several rows of x (ldx apart, in xp's order) against FP4 weights in blocks of 16 or 32: each chunk's 32
 // weights decoded once (as dot_one_fp4 does) and scaled, then shared by the M rows' FMAs.
-template <int M>
-inline void dot_rows_fp4(const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo, const float* scale,
+template <int M, class S>
+inline void dot_rows_fp4(const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo, S scale,
                          int64_t kblock) {
   const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -179,8 +210,9 @@ inline void with_rows(int m, F&& f) {
   }
 }
 
-inline void dot_any_fp4(int m, const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo,
-                        const float* scale, int64_t kblock) {
+template <class S>
+inline void dot_any_fp4(int m, const float* xp, int64_t K, const Fp4* w, float* out, int64_t ldo, S scale,
+                        int64_t kblock) {
   with_rows(m, [&](auto rows) {
     if constexpr (rows() == 1) dot_one_fp4(xp, K, w, out, scale, kblock);
     else dot_rows_fp4<rows()>(xp, K, w, out, ldo, scale, kblock);
@@ -214,8 +246,25 @@ bool fp4_reordered_rows(const float* x, int64_t R, int64_t K, int64_t kblock, st
   return true;
 }
 
+// The scales of one output row: float32 as given, or (NVFP4's own form) E4M3 block-scale bytes times the
+// row's float32 tensor scale, decoded into the caller's buffer of KB floats.
+struct RowScales {
+  const float* f32 = nullptr;        // [E, N, KB]
+  const uint8_t* e4m3 = nullptr;     // [E, N, KB], with row [E, N]
+  const float* row = nullptr;
+  int64_t KB = 0;
+
+  const float* of(int64_t en, float* buffer) const {
+    if (f32 || !e4m3) return f32 ? f32 + en * KB : nullptr;
+    const float* table = e4m3_table();
+    const uint8_t* codes = e4m3 + en * KB;
+    for (int64_t b = 0; b < KB; b++) buffer[b] = table[codes[b]] * row[en];
+    return buffer;
+  }
+};
+
 template <class W>
-void grouped(const float* x, const int64_t* starts, const W* w, const float* scale, float* y, int64_t E,
+void grouped(const float* x, const int64_t* starts, const W* w, const RowScales& scales, float* y, int64_t E,
              int64_t N, int64_t K, int64_t kblock) {
   std::vector<float> xp;
   bool fp4_fast = false;
@@ -227,20 +276,30 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
     if (starts[e + 1] > starts[e])
       for (int64_t b = 0; b < blocks; b++) items.push_back(e * blocks + b);
   at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row_scales(KB);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t e = items[i] / blocks, n0 = items[i] % blocks * kBlockRows;
       const int64_t n1 = std::min(N, n0 + kBlockRows), r0 = starts[e], r1 = starts[e + 1];
       for (int64_t n = n0; n < n1; n++) {
         const W* wrow = w + (e * N + n) * K / kPerElem<W>;
-        const float* s = scale ? scale + (e * N + n) * KB : nullptr;
         if constexpr (std::is_same_v<W, Fp4>) {
           if (fp4_fast) {
-            for (int64_t r = r0; r < r1; r += kRowsPerPass)
-              dot_any_fp4((int)std::min<int64_t>(kRowsPerPass, r1 - r), xp.data() + r * K, K, wrow, y + r * N + n, N,
-                          s, kblock);
+            const int64_t en = e * N + n;
+            for (int64_t r = r0; r < r1; r += kRowsPerPass) {
+              const int m = (int)std::min<int64_t>(kRowsPerPass, r1 - r);
+              float* out = y + r * N + n;
+              if (!scales.e4m3) {
+                dot_any_fp4(m, xp.data() + r * K, K, wrow, out, N, F32Scales{scales.f32 + en * KB}, kblock);
+                continue;
+              }
+              dot_any_fp4(m, xp.data() + r * K, K, wrow, out, N, E4M3Scales{scales.e4m3 + en * KB, e4m3_table()},
+                          kblock);
+              for (int i = 0; i < m; i++) out[i * N] *= scales.row[en];
+            }
             continue;
           }
         }
+        const float* s = scales.of(e * N + n, row_scales.data());
         for (int64_t r = r0; r < r1; r += kRowsPerPass)
           dot_any((int)std::min<int64_t>(kRowsPerPass, r1 - r), x + r * K, K, wrow, y + r * N + n, N, s, kblock);
       }
@@ -251,7 +310,8 @@ void grouped(const float* x, const int64_t* starts, const W* w, const float* sca
 }  // namespace
 
 torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
-                               c10::optional<torch::Tensor> scale, int64_t kblock) {
+                               c10::optional<torch::Tensor> scale, int64_t kblock,
+                               c10::optional<torch::Tensor> row_scale) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "moe_grouped_gemm: x must be contiguous float32 [R, K], got ", x.sizes());
   const bool fp4 = w.scalar_type() == torch::kUInt8;          // packed E2M1 pairs: [E, N, K / 2]
@@ -269,22 +329,34 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
   const int64_t* starts = run_starts.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] == 0 && starts[E] == R, "moe_grouped_gemm: run_starts must go from 0 to the rows of x");
   auto y = torch::empty({R, N}, x.options());
-  const bool scaled = w.scalar_type() != torch::kFloat32;
-  TORCH_CHECK(!scaled || (scale.has_value() && scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
-                          scale->numel() == E * N * KB),
-              "moe_grouped_gemm: int8 / FP8 / FP4 weights need float32 scales [E, N, K / kblock]");
-  const float* s = scaled ? scale->data_ptr<float>() : nullptr;
+  RowScales scales;
+  scales.KB = KB;
+  if (w.scalar_type() != torch::kFloat32) {
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->numel() == E * N * KB,
+                "moe_grouped_gemm: int8 / FP8 / FP4 weights need scales [E, N, K / kblock]");
+    if (scale->scalar_type() == at::kFloat8_e4m3fn) {          // NVFP4's E4M3 block scales x a row scale
+      TORCH_CHECK(fp4 && row_scale.has_value() && row_scale->scalar_type() == torch::kFloat32 &&
+                      row_scale->is_contiguous() && row_scale->numel() == E * N,
+                  "moe_grouped_gemm: E4M3 block scales (FP4 weights only) need float32 row_scale [E, N]");
+      scales.e4m3 = reinterpret_cast<const uint8_t*>(scale->data_ptr());
+      scales.row = row_scale->data_ptr<float>();
+    } else {
+      TORCH_CHECK(scale->scalar_type() == torch::kFloat32, "moe_grouped_gemm: scales must be float32, or E4M3 "
+                  "(float8_e4m3fn) with a row_scale for FP4 weights");
+      scales.f32 = scale->data_ptr<float>();
+    }
+  }
   if (w.scalar_type() == torch::kInt8) {
-    grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), s, y.data_ptr<float>(), E, N, K, kblock);
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), scales, y.data_ptr<float>(), E, N, K, kblock);
   } else if (fp4) {
-    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp4*>(w.data_ptr()), s, y.data_ptr<float>(), E, N,
-            K, kblock);
+    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp4*>(w.data_ptr()), scales, y.data_ptr<float>(), E,
+            N, K, kblock);
   } else if (w.scalar_type() == at::kFloat8_e4m3fn) {
-    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp8*>(w.data_ptr()), s, y.data_ptr<float>(), E, N,
-            K, kblock);
+    grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp8*>(w.data_ptr()), scales, y.data_ptr<float>(), E,
+            N, K, kblock);
   } else {
     TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32, int8, float8_e4m3fn or uint8 (FP4 pairs)");
-    grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), nullptr, y.data_ptr<float>(), E, N, K, kblock);
+    grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), RowScales{}, y.data_ptr<float>(), E, N, K, kblock);
   }
   return y;
 }

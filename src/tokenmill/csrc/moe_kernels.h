@@ -10,8 +10,11 @@
 // x [R, K] float32 (rows of expert e at run_starts[e] .. run_starts[e + 1]); w [E, N, K] float32, int8,
 // float8_e4m3fn, or uint8 [E, N, K / 2] packed E2M1 pairs (NVFP4 / MXFP4 codes, the even element in the low
 // nibble); all but float32 with scale [E, N, K / kblock] float32: one per output row and run of kblock inputs;
-// kblock <= 0: the whole row) -> y [R, N] float32, y[r] = x[r] @ (w[e] * scale[e])^T. With E = 1 it is a
-// plain linear layer (quant/fp8.py).
+// kblock <= 0: the whole row) -> y [R, N] float32, y[r] = x[r] @ (w[e] * scale[e])^T. FP4 weights may
+// instead give scale as float8_e4m3fn block scales [E, N, K / kblock] with row_scale [E, N] float32 (NVFP4:
+// scale = e4m3 x the row's tensor scale; a quarter of the scale bytes). With E = 1 it is a plain linear
+// layer (quant/fp8.py).
 torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
-                               c10::optional<torch::Tensor> scale, int64_t kblock);
+                               c10::optional<torch::Tensor> scale, int64_t kblock,
+                               c10::optional<torch::Tensor> row_scale);
 #endif

@@ -92,8 +92,10 @@ def assemble_codes(layer, codes: list, name: str) -> torch.Tensor:
 
 
 class FP4Method(QuantMethod):
-    """The shared part of NVFP4 and MXFP4: packed E2M1 codes [1, N, K / 2] and float32 scales [1, N, K / block]
-    as buffers (`fp4_weight`, `fp4_scale`), the grouped GEMM kernel on them."""
+    """The shared part of NVFP4 and MXFP4: packed E2M1 codes [1, N, K / 2] (`fp4_weight`) and their scales
+    (`fp4_scale`): float32 [1, N, K / block], or, where every row's scales are E4M3 values times one tensor
+    scale (NVFP4), float8_e4m3fn [1, N, K / block] with `fp4_row_scale` float32 [1, N] (a quarter of the
+    scale bytes; the kernel multiplies them back). The grouped GEMM kernel runs on them."""
     block = 0
     quantize_tied_lm_head = True
     lm_head_method = "int8"          # as int4 and fp8: the head is the layer most sensitive to weight error
@@ -107,37 +109,67 @@ class FP4Method(QuantMethod):
         """w [n, K] float32 -> the float32 scale of every block [n, K / block]."""
         raise NotImplementedError
 
-    def checkpoint_scales(self, layer) -> torch.Tensor:
-        """A pre-quantized checkpoint's scales [N, K / block] (quant/prequantized.py attaches `checkpoint_fp4`:
-        per shard, its rows in the layer and their scales)."""
+    def tensor_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The one float32 scale block_scales(w) are E4M3 multiples of (NVFP4), else None."""
+        return None
+
+    def checkpoint_scales(self, layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pre-quantized checkpoint's scales [N, K / block] and, where each shard gives one, the tensor scale
+        of each row [N] (quant/prequantized.py attaches `checkpoint_fp4`: per shard, its rows in the layer,
+        their scales, and their tensor scale or None)."""
         scales = torch.full((layer.out_features, layer.in_features // self.block), float("nan"))
-        for rows, part in layer.checkpoint_fp4:
+        rows_scale = torch.full((layer.out_features,), float("nan"))
+        for rows, part, tensor_scale in layer.checkpoint_fp4:
             scales[rows] = part
+            if tensor_scale is not None:
+                rows_scale[rows] = tensor_scale
         if torch.isnan(scales).any():
             raise ValueError(f"{layer.prefix or 'a linear layer'}: the checkpoint gives FP4 scales for only some of "
                              "its rows (a fused layer with a part the checkpoint keeps in float is not supported)")
-        return scales
+        return scales, None if torch.isnan(rows_scale).any() else rows_scale
 
     def process_weights_after_loading(self, layer) -> None:
         if getattr(layer, "fp4_weight", None) is None:          # not already given the checkpoint's codes
             w = layer.weight.data.float()
-            scales = self.checkpoint_scales(layer) if getattr(layer, "checkpoint_fp4", None) else self.block_scales(w)
-            self._register(layer, quantize(w, scales, self.block), scales)
+            if getattr(layer, "checkpoint_fp4", None):
+                scales, rows_scale = self.checkpoint_scales(layer)
+            else:
+                scales, t = self.block_scales(w), self.tensor_scale(w)
+                rows_scale = None if t is None else t.reshape(1).expand(w.shape[0])
+            self._register(layer, quantize(w, scales, self.block), scales, rows_scale)
         self.drop_float_weight(layer)
 
     def set_codes(self, layer, codes: list, device: torch.device) -> None:
         """The checkpoint's own codes, kept as they are (no float copy), with the scales of `checkpoint_fp4`."""
-        self._register(layer, assemble_codes(layer, codes, self.name), self.checkpoint_scales(layer))
+        self._register(layer, assemble_codes(layer, codes, self.name), *self.checkpoint_scales(layer))
 
     @staticmethod
-    def _register(layer, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    def _register(layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
+        """packed [N, K/2]; scales [N, K/block] float32; rows_scale [N]: scales are E4M3 values times it (then
+        kept as E4M3 bytes where that gives them back to float32 rounding), or None."""
         layer.register_buffer("fp4_weight", packed.unsqueeze(0).contiguous(), persistent=False)          # [1, N, K/2]
-        layer.register_buffer("fp4_scale", scales.float().unsqueeze(0).contiguous(), persistent=False)   # [1, N, K/b]
+        scales = scales.float()
+        if rows_scale is not None and bool((rows_scale > 0).all()):
+            rows = rows_scale.float().reshape(-1, 1)
+            codes = (scales / rows).to(torch.float8_e4m3fn)
+            if torch.allclose(codes.float() * rows, scales, rtol=1e-6, atol=0.0):
+                layer.register_buffer("fp4_scale", codes.unsqueeze(0).contiguous(), persistent=False)
+                layer.register_buffer("fp4_row_scale", rows.reshape(1, -1).contiguous(), persistent=False)
+                return
+        layer.register_buffer("fp4_scale", scales.unsqueeze(0).contiguous(), persistent=False)            # [1, N, K/b]
+        layer.fp4_row_scale = None
+
+    @staticmethod
+    def float_scales(layer) -> torch.Tensor:
+        """The layer's scales as float32 [N, K / block], whichever form it keeps them in."""
+        scales = layer.fp4_scale[0].float()
+        return scales if layer.fp4_row_scale is None else scales * layer.fp4_row_scale[0].reshape(-1, 1)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         from tokenmill.quant.fp8 import grouped_linear
         y = grouped_linear(x, layer.fp4_weight, layer.fp4_scale, self.block,
-                           lambda: dequantize(layer.fp4_weight[0], layer.fp4_scale[0], self.block))
+                           lambda: dequantize(layer.fp4_weight[0], self.float_scales(layer), self.block),
+                           row_scale=layer.fp4_row_scale)
         return self.add_bias(layer, y)
 
 
@@ -148,6 +180,9 @@ class NVFP4Method(FP4Method):
     def block_scales(self, w: torch.Tensor) -> torch.Tensor:
         block_scale, tensor_scale = nvfp4_scales(w)
         return block_scale.float() * tensor_scale
+
+    def tensor_scale(self, w: torch.Tensor) -> torch.Tensor:
+        return nvfp4_scales(w)[1]
 
 
 class MXFP4Method(FP4Method):

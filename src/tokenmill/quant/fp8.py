@@ -78,15 +78,29 @@ class FP8Method(QuantMethod):
         return self.add_bias(layer, y)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kblock: int, dequantized) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kblock: int, dequantized,
+                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ the scaled codes' weight^T through the native grouped GEMM with one group (weight [1, N, ...],
-    scale [1, N, K / kblock]); without the native build, x @ dequantized()^T (slow, exact)."""
+    scale [1, N, K / kblock], and row_scale [1, N] with E4M3 scales); without the native build,
+    x @ dequantized()^T (slow, exact)."""
     from tokenmill.platforms import cpu_native
     native = cpu_native.load()
     xf = x.float().contiguous()
     if native is not None and hasattr(native, "moe_grouped_gemm"):
-        return native.moe_grouped_gemm(xf, torch.tensor([0, xf.shape[0]], dtype=torch.long), weight, scale, kblock)
+        return native.moe_grouped_gemm(xf, _one_run(xf.shape[0]), weight, scale, kblock, row_scale)
     return torch.nn.functional.linear(xf, dequantized())
+
+
+_ONE_RUN: dict[int, torch.Tensor] = {}     # rows -> run_starts [0, rows] (read-only; made once per size)
+
+
+def _one_run(rows: int) -> torch.Tensor:
+    starts = _ONE_RUN.get(rows)
+    if starts is None:
+        starts = torch.tensor([0, rows], dtype=torch.long)
+        if len(_ONE_RUN) < 4096:
+            _ONE_RUN[rows] = starts
+    return starts
 
 
 def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int) -> torch.Tensor:

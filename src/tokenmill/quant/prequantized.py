@@ -49,6 +49,19 @@ class CheckpointQuant:
         return FP4_GROUPS.get(self.strategy, 0)
 
 
+@dataclass(frozen=True)
+class TensorScaled:
+    """NVFP4 block scales of one checkpoint tensor as float32 multipliers (its E4M3 values times
+    `tensor_scale`), with that tensor scale (the layer keeps the E4M3 bytes and it)."""
+    scales: torch.Tensor
+    tensor_scale: float
+
+
+def scale_tensor(value) -> torch.Tensor:
+    """A read_scales value as float32 multipliers."""
+    return value.scales if isinstance(value, TensorScaled) else value
+
+
 def detect(hf_config, model_path: str) -> CheckpointQuant | None:
     """The checkpoint's pre-quantized format, None for a float checkpoint; ValueError for one not supported."""
     qc = getattr(hf_config, "quantization_config", None)
@@ -130,7 +143,8 @@ def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor]:
     if missing:
         raise ValueError(f"NVFP4 checkpoint: {missing[0]} has {fmt.scale_name} but no {fmt.global_scale_name}")
     divide = fmt.global_scale_name == "weight_global_scale"      # compressed-tensors stores the reciprocal
-    return {m: s / tensor_scales[m] if divide else s * tensor_scales[m] for m, s in scales.items()}
+    return {m: TensorScaled(s / tensor_scales[m], float(1 / tensor_scales[m])) if divide else
+            TensorScaled(s * tensor_scales[m], float(tensor_scales[m])) for m, s in scales.items()}
 
 
 def _scale_values(scale: torch.Tensor, fmt: CheckpointQuant) -> torch.Tensor:
@@ -165,7 +179,7 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
             continue
         q = read_part(t, slice(None), slice(None))
         if fmt.fp4_group:
-            yield module + ".weight", _dequantize_fp4(name, q, scales[module], fmt)
+            yield module + ".weight", _dequantize_fp4(name, q, scale_tensor(scales[module]), fmt)
             continue
         if q.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: a {fmt.vendor} FP8 weight must be float8_e4m3fn, got {q.dtype}")
@@ -202,9 +216,10 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
             group, c0, c1 = fmt.fp4_group, cols.start or 0, cols.stop
             if c0 % group or (c1 is not None and c1 % group):
                 raise ValueError(f"{layer_name}: this rank's columns do not start on a {group}-group boundary")
-            part = scale[rows, c0 // group: None if c1 is None else c1 // group]
+            part = scale_tensor(scale)[rows, c0 // group: None if c1 is None else c1 // group]
+            tensor_scale = scale.tensor_scale if isinstance(scale, TensorScaled) else None
             target_rows = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
-            layer.checkpoint_fp4 = getattr(layer, "checkpoint_fp4", []) + [(target_rows, part)]
+            layer.checkpoint_fp4 = getattr(layer, "checkpoint_fp4", []) + [(target_rows, part, tensor_scale)]
             done.add(layer_name)
             continue
         if fmt.strategy == "channel":

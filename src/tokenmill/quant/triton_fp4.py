@@ -86,14 +86,14 @@ class _TritonFP4(QuantMethod):
         if getattr(layer, "qweight", None) is None:             # not already given the checkpoint's codes
             w = layer.weight.data.float()
             cpu = self.cpu_method()
-            scales = cpu.checkpoint_scales(layer) if getattr(layer, "checkpoint_fp4", None) else cpu.block_scales(w)
+            scales = cpu.checkpoint_scales(layer)[0] if getattr(layer, "checkpoint_fp4", None) else cpu.block_scales(w)
             self._register(layer, fp4.quantize(w, scales.to(w.device), cpu.block), scales, w.device)
         self.drop_float_weight(layer)
 
     def set_codes(self, layer, codes: list, device: torch.device) -> None:
         """The checkpoint's own codes (no float copy), with the scales of `checkpoint_fp4`."""
-        self._register(layer, fp4.assemble_codes(layer, codes, self.name), self.cpu_method().checkpoint_scales(layer),
-                       device)
+        self._register(layer, fp4.assemble_codes(layer, codes, self.name),
+                       self.cpu_method().checkpoint_scales(layer)[0], device)
 
     @staticmethod
     def _register(layer, packed: torch.Tensor, scales: torch.Tensor, device: torch.device) -> None:
