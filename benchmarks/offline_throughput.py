@@ -8,6 +8,10 @@ transformers' (fp32 weights), and tokenmill's start-up time to the first generat
 `tokenmill generate` (first and second start).
 
     .venv/bin/python benchmarks/offline_throughput.py [--runs 3] [--num-requests 64] [--skip-peer]
+
+Comparisons instead (no peer, no start-up): --quantization int4,nvfp4,mxfp4 and / or --kv-cache-dtypes
+auto,fp8 build one engine per combination and interleave their runs; each rate is given as a ratio to the
+first's.
 """
 from __future__ import annotations
 
@@ -85,25 +89,27 @@ def median_rate(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, float
     return wall, sum(len(t) for t in runs[0][1]) / wall
 
 
-def compare_kv_cache_dtypes(LLM, engine_kwargs: dict, kv_dtypes: list[str], prompts, args) -> None:
-    """One engine per KV cache dtype, runs interleaved; wall-clock medians and rates against the first."""
-    engines = {d: LLM(**engine_kwargs, kv_cache_dtype=d) for d in kv_dtypes}
-    runs: dict[str, list] = {d: [] for d in kv_dtypes}
+def compare_engines(LLM, engine_kwargs: dict, variants: dict[str, dict], prompts, args) -> None:
+    """One engine per variant (label -> extra engine arguments), runs interleaved; wall-clock medians and
+    rates against the first variant's."""
+    engines = {label: LLM(**engine_kwargs, **extra) for label, extra in variants.items()}
+    runs: dict[str, list] = {label: [] for label in variants}
     for llm in engines.values():
         run_tokenmill(llm, prompts[:2], 4)  # warm-up
     for i in range(args.runs):
-        for d, llm in engines.items():
-            runs[d].append(run_tokenmill(llm, prompts, args.output_len))
-        print(f"run {i + 1}: " + ", ".join(f"{d} {runs[d][-1][0]:.2f} s" for d in kv_dtypes), flush=True)
-    print(f"workload: {args.num_requests} requests x {args.prompt_len} -> {args.output_len}, greedy, default model, "
-          f"{args.quantization or 'fp32'} weights; median of {args.runs} runs")
-    base = median_rate(runs[kv_dtypes[0]])[1]
-    for d in kv_dtypes:
-        wall, rate = median_rate(runs[d])
-        same = sum(a == b for a, b in zip(runs[d][0][1], runs[kv_dtypes[0]][0][1]))
-        print(f"kv {d:8s} wall {wall:7.2f} s  output {rate:7.1f} tok/s  {rate / base:.3f}x  greedy outputs "
-              f"identical to {kv_dtypes[0]}'s: {same} of {len(prompts)}  (runs: "
-              + ", ".join(f"{w:.2f}" for w, _ in runs[d]) + ")")
+        for label, llm in engines.items():
+            runs[label].append(run_tokenmill(llm, prompts, args.output_len))
+        print(f"run {i + 1}: " + ", ".join(f"{label} {runs[label][-1][0]:.2f} s" for label in variants), flush=True)
+    print(f"workload: {args.num_requests} requests x {args.prompt_len} -> {args.output_len}, greedy, default model; "
+          f"median of {args.runs} runs")
+    first = next(iter(variants))
+    base = median_rate(runs[first])[1]
+    for label in variants:
+        wall, rate = median_rate(runs[label])
+        same = sum(a == b for a, b in zip(runs[label][0][1], runs[first][0][1]))
+        print(f"{label:18s} wall {wall:7.2f} s  output {rate:7.1f} tok/s  {rate / base:.3f}x  greedy outputs "
+              f"identical to {first}'s: {same} of {len(prompts)}  (runs: "
+              + ", ".join(f"{w:.2f}" for w, _ in runs[label]) + ")")
 
 
 def main() -> None:
@@ -113,7 +119,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default=None,
+                    help="a weight format, or several comma-separated (int4,nvfp4: one engine each, runs "
+                         "interleaved, each's rate as a ratio to the first; 'fp32' for none)")
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="comma-separated KV cache dtypes (auto,fp8): one engine each, runs interleaved, "
                          "each's rate as a ratio to the first")
@@ -124,12 +132,15 @@ def main() -> None:
 
     prompts = make_prompts(args.num_requests, args.prompt_len)
     engine_kwargs = dict(enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens)
-    if args.quantization:
-        engine_kwargs["quantization"] = args.quantization
     kv_dtypes = args.kv_cache_dtypes.split(",")
-    if len(kv_dtypes) > 1:
-        compare_kv_cache_dtypes(LLM, engine_kwargs, kv_dtypes, prompts, args)
+    quants = (args.quantization or "fp32").split(",")
+    if len(kv_dtypes) > 1 or len(quants) > 1:
+        variants = {f"{q} / kv {d}": dict(quantization=None if q == "fp32" else q, kv_cache_dtype=d)
+                    for q in quants for d in kv_dtypes}
+        compare_engines(LLM, engine_kwargs, variants, prompts, args)
         return
+    if args.quantization and args.quantization != "fp32":
+        engine_kwargs["quantization"] = args.quantization
     llm = LLM(**engine_kwargs, kv_cache_dtype=kv_dtypes[0])
     run_tokenmill(llm, prompts[:2], 4)  # warm-up
     model = None if args.skip_peer else load_transformers_model()
