@@ -78,7 +78,7 @@ def test_prefix_caching_on_the_gpu(tiny_model_factory):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8", "nvfp4", "mxfp4"])
 def test_weight_only_methods_on_the_gpu(tiny_model_factory, mode):
     model_dir = tiny_model_factory("qwen2", tie_word_embeddings=False)
     batch = prompts(5, [12, 30])

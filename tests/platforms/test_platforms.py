@@ -68,7 +68,7 @@ def test_backends_and_methods_belong_to_a_platform():
     with pytest.raises(ValueError, match=r"attention backend 'cpu' does not run on cuda; expected one of \['triton', 'reference'\]"):
         cuda.attention_backend_name("cpu")
     assert cuda.quant_method("int4", torch.bfloat16).name == "int4" and cuda.quant_method(None, torch.bfloat16).is_float
-    with pytest.raises(ValueError, match=r"unknown quantization 'w8a8' on cuda; supported there: int4, int8"):
+    with pytest.raises(ValueError, match=r"unknown quantization 'w8a8' on cuda; supported there: fp8, int4, int8, mxfp4, nvfp4"):
         cuda.quant_method("w8a8", torch.bfloat16)
 
 

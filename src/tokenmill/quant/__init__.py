@@ -23,6 +23,7 @@ _METHODS = {   # platform -> name -> module:class, imported lazily
     "cuda": {"float": "tokenmill.quant.cuda_float:CUDAFloatMethod",
              "int8": "tokenmill.quant.triton_weight_only:Int8TritonMethod",
              "int4": "tokenmill.quant.triton_weight_only:Int4TritonMethod",
+             "fp8": "tokenmill.quant.scaled_mm_fp8:FP8ScaledMMMethod",
              "nvfp4": "tokenmill.quant.triton_fp4:NVFP4TritonMethod",
              "mxfp4": "tokenmill.quant.triton_fp4:MXFP4TritonMethod"},
 }

@@ -47,7 +47,7 @@ class FP8Method(QuantMethod):
             full = expand_scale(w[rows], strategy, scale, kblock)       # [n, K / kblock]
             q[rows] = quantize_with(w[rows], full, kblock)
             scales[rows] = full
-        self._register(layer, q, scales, kblock)
+        self._register(layer, q, scales, kblock, w.device)
 
     def set_codes(self, layer, codes: list, device: torch.device) -> None:
         """The checkpoint's own codes, kept as they are (no float copy): codes = [(rows of the layer,
@@ -64,10 +64,11 @@ class FP8Method(QuantMethod):
                                  f"{tuple(q[rows].shape)}, got {c.dtype} {tuple(c.shape)}")
             q[rows] = c
             scales[rows] = expand_scale(c, strategy, scale, kblock)
-        self._register(layer, q, scales, kblock)
+        self._register(layer, q, scales, kblock, device)
 
     @staticmethod
-    def _register(layer, q: torch.Tensor, scales: torch.Tensor, kblock: int) -> None:
+    def _register(layer, q: torch.Tensor, scales: torch.Tensor, kblock: int, device=None) -> None:
+        """The layer's buffers (on the CPU: device is the loading device, unused here)."""
         layer.register_buffer("fp8_weight", q.unsqueeze(0).contiguous(), persistent=False)    # [1, N, K]
         layer.register_buffer("fp8_scale", scales.unsqueeze(0).contiguous(), persistent=False)  # [1, N, KB]
         layer.fp8_kblock = kblock

@@ -1,0 +1,69 @@
+"""FP8 E4M3 weights and activations through `torch._scaled_mm` (CUDA: FP8 tensor cores on Hopper and later).
+
+    weights:     E4M3 codes [N, K] (the checkpoint's own, or per output channel at load, as quant/fp8.py makes
+                 them) with a float32 scale per output row and block of inputs (kblock = K, or 128 for
+                 128 x 128 block checkpoints); mat2 is the codes' transpose, column-major as cuBLAS wants it.
+    activations: quantized to E4M3 as the step runs, per token (scale = the row's amax / 448), or per token
+                 and group of 128 inputs for block checkpoints (DeepSeek-V3's recipe).
+    y = sum over input blocks b of (xq_b * xs_b) @ (wq_b * ws_b)^T, accumulated in float32.
+
+Static activation scales in a checkpoint (`input_scale`) are not used: per-token dynamic scales are at least
+as accurate. The same arithmetic runs on the CPU through torch's CPU `_scaled_mm`, which is how it is tested
+here (tests/quant/test_scaled_mm_fp8.py); on the CPU the registry's `fp8` stays quant/fp8.py (float32
+activations, the exact reference)."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.fp8 import E4M3_MAX, FP8Method
+
+ALIGN = 16          # cuBLAS FP8 GEMMs want every dimension a multiple of 16
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 codes [M, K], float32 scales [M, K / group]): x ~= codes * scale per (row, group)."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group, group)
+    scale = (xg.abs().amax(dim=2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (xg / scale.unsqueeze(2)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(m, k), scale
+
+
+class FP8ScaledMMMethod(FP8Method):
+    """quantization="fp8" on CUDA, and FP8 checkpoints there: FP8Method's codes and scales (from the
+    checkpoint or quantized at load), kept on the device, multiplied by torch._scaled_mm."""
+    platform = "cuda"
+
+    def check_shape(self, layer) -> None:
+        if layer.in_features % ALIGN or layer.out_features % ALIGN:
+            raise ValueError(f"fp8 (torch._scaled_mm) needs {layer.prefix or 'a linear layer'}'s dimensions "
+                             f"[{layer.out_features}, {layer.in_features}] to be multiples of {ALIGN}")
+
+    @staticmethod
+    def _register(layer, q: torch.Tensor, scales: torch.Tensor, kblock: int, device=None) -> None:
+        if kblock != q.shape[1] and q.shape[1] % kblock:
+            raise ValueError(f"{layer.prefix or 'a linear layer'}: in_features {q.shape[1]} is not a multiple of "
+                             f"the checkpoint's {kblock}-input blocks (per-group activations need whole blocks)")
+        device = device if device is not None else q.device
+        layer.register_buffer("fp8_weight", q.to(device).contiguous(), persistent=False)           # [N, K]
+        # [K / kblock, 1, N]: block b's scale of every output row, as _scaled_mm's (1, N) scale_b
+        layer.register_buffer("fp8_scale", scales.t().float().unsqueeze(1).contiguous().to(device), persistent=False)
+        layer.fp8_kblock = kblock
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if x2.is_cuda and m % ALIGN:                      # pad the rows; the padding's outputs are dropped
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, ALIGN - m % ALIGN))
+        kblock = layer.fp8_kblock
+        xq, xs = quantize_activations(x2, kblock)
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        y = None
+        for b in range(k // kblock):                      # one GEMM per input block (one for row scales)
+            cols = slice(b * kblock, (b + 1) * kblock)
+            part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=xs[:, b:b + 1].contiguous(),
+                                    scale_b=layer.fp8_scale[b], out_dtype=torch.float32)
+            y = part if y is None else y.add_(part)
+        y = y[:m].to(out_dtype).reshape(*lead, -1)
+        return self.add_bias(layer, y)
