@@ -127,8 +127,9 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
     return CheckpointQuant("compressed-tensors", strategies.pop(), "weight_scale")
 
 
-def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor]:
-    """The checkpoint's weight scales by module name (one pass over the lazy checkpoint: only they are read)."""
+def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor | TensorScaled]:
+    """The checkpoint's weight scales by module name, as float32 multipliers (NVFP4: TensorScaled, with the
+    tensor scale; scale_tensor gives the multipliers). One pass over the lazy checkpoint: only they are read."""
     from tokenmill.loaders.lazy import read_part
     suffix, tensor_suffix = "." + fmt.scale_name, "." + (fmt.global_scale_name or fmt.scale_name)
     scales, tensor_scales = {}, {}

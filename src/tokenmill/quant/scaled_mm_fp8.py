@@ -58,12 +58,11 @@ class FP8ScaledMMMethod(FP8Method):
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, ALIGN - m % ALIGN))
         kblock = layer.fp8_kblock
         xq, xs = quantize_activations(x2, kblock)
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         y = None
         for b in range(k // kblock):                      # one GEMM per input block (one for row scales)
             cols = slice(b * kblock, (b + 1) * kblock)
             part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=xs[:, b:b + 1].contiguous(),
                                     scale_b=layer.fp8_scale[b], out_dtype=torch.float32)
             y = part if y is None else y.add_(part)
-        y = y[:m].to(out_dtype).reshape(*lead, -1)
+        y = y[:m].to(x.dtype).reshape(*lead, -1)            # summed in float32, given back in x's dtype
         return self.add_bias(layer, y)
