@@ -6,10 +6,12 @@
    articles and --runs; the ratio to no speculation. Per proposer config (--configs), with its mean
    acceptance length.
 2. Batch 64, Offline: 64 summarization requests (the articles repeated) at once, output tok/s of adaptive
-   speculation vs none (the target: never a loss at high load).
+   speculation vs none (the target: never a loss at high load), the median of --runs.
+Every engine is built first and the runs interleave them (run 1 of each config, then run 2, ...), so a
+drift of the machine's speed lands on every config alike.
 
     .venv/bin/python benchmarks/spec_decode.py [--runs 3] [--quantization int4] [--skip-offline]
-        [--mtp-head DIR]    # also the mtp configs, with a head from `tokenmill train-mtp --out DIR`
+        [--skip-batch1] [--mtp-head DIR]    # also the mtp configs, with a head from `tokenmill train-mtp --out DIR`
 """
 from __future__ import annotations
 
@@ -45,30 +47,28 @@ def prompts() -> list[str]:
         return [CNNDM_PROMPT.format(article=json.loads(line)["article"]) for line in f]
 
 
-def batch1(llm, texts: list[str], runs: int) -> tuple[float, float | None]:
+def batch1(llm, texts: list[str]) -> tuple[list[float], list[float]]:
+    """One pass over the articles: decode tok/s per article, and mean acceptance lengths where drafted."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=128, min_tokens=128, ignore_eos=True)
     rates, lengths = [], []
-    for _ in range(runs):
-        for text in texts:
-            out = llm.generate([text], params)[0].outputs[0]
-            t = out.metrics.token_times
-            rates.append((len(t) - 1) / (t[-1] - t[0]))
-            if out.metrics.mean_acceptance_length is not None:
-                lengths.append(out.metrics.mean_acceptance_length)
-    return statistics.median(rates), (statistics.mean(lengths) if lengths else None)
+    for text in texts:
+        out = llm.generate([text], params)[0].outputs[0]
+        t = out.metrics.token_times
+        rates.append((len(t) - 1) / (t[-1] - t[0]))
+        if out.metrics.mean_acceptance_length is not None:
+            lengths.append(out.metrics.mean_acceptance_length)
+    return rates, lengths
 
 
-def offline(llm, texts: list[str], n: int, runs: int) -> float:
+def offline(llm, texts: list[str], n: int) -> float:
+    """One Offline run of n requests at once: output tok/s."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=128, min_tokens=128, ignore_eos=True)
     batch = [texts[i % len(texts)] for i in range(n)]
-    rates = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--skip-batch1", action="store_true")
     ap.add_argument("--mtp-head", default=None, help="a `tokenmill train-mtp` directory: adds the mtp configs")
     args = ap.parse_args()
     configs = dict(CONFIGS)
@@ -89,21 +90,35 @@ def main() -> None:
     texts = prompts()
     print(f"default model, {args.quantization or 'fp32'}, {len(texts)} articles, 128 output tokens, "
           f"medians of {args.runs}; {os.cpu_count()} cores")
-    results = {}
-    for name in args.configs.split(","):
-        llm = LLM(quantization=args.quantization, speculative_config=configs[name], enable_prefix_caching=False,
-                  kv_cache_memory_bytes=1 << 30)
-        llm.generate(texts[:1], None)                                  # warm-up
-        rate, length = batch1(llm, texts, args.runs)
-        off = None if args.skip_offline or name.endswith("-fixed") else \
-            offline(llm, texts, args.offline_requests, args.runs)
-        results[name] = (rate, length, off)
-        del llm
+    names = args.configs.split(",")
+    engines = {}
+    for name in names:              # every engine at once: the runs below interleave them (same drift)
+        engines[name] = LLM(quantization=args.quantization, speculative_config=configs[name],
+                            enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
+        engines[name].generate(texts[:1], None)                        # warm-up
+    rates = {name: [] for name in names}
+    lengths = {name: [] for name in names}
+    offline_rates = {name: [] for name in names}
+    for run in range(args.runs):
+        for name in names:
+            if not args.skip_batch1:
+                r, a = batch1(engines[name], texts)
+                rates[name] += r
+                lengths[name] += a
+            if not args.skip_offline and not name.endswith("-fixed"):
+                offline_rates[name].append(offline(engines[name], texts, args.offline_requests))
+                print(f"run {run + 1} {name}: offline x{args.offline_requests} {offline_rates[name][-1]:.1f} tok/s",
+                      flush=True)
+    results = {name: (statistics.median(rates[name]) if rates[name] else None,
+                      statistics.mean(lengths[name]) if lengths[name] else None,
+                      statistics.median(offline_rates[name]) if offline_rates[name] else None) for name in names}
     base = results.get("none")
     for name, (rate, length, off) in results.items():
-        ratio = f" x{rate / base[0]:.2f}" if base and name != "none" else ""
-        acc = f", mean acceptance length {length:.2f}" if length else ""
-        line = f"{name:18s} batch-1 decode {rate:7.1f} tok/s{ratio}{acc}"
+        line = f"{name:18s}"
+        if rate is not None:
+            ratio = f" x{rate / base[0]:.2f}" if base and base[0] and name != "none" else ""
+            acc = f", mean acceptance length {length:.2f}" if length else ""
+            line += f" batch-1 decode {rate:7.1f} tok/s{ratio}{acc}"
         if off is not None:
             line += f"; offline x{args.offline_requests} {off:7.1f} tok/s" + \
                 (f" x{off / base[2]:.3f}" if base and base[2] and name != "none" else "")

@@ -132,3 +132,38 @@ def test_request_never_outgrows_the_pool():
     got = run_all(s, [request("a", 4, 100)])
     assert len(got["a"]) == 8               # capped at the 12-token pool
     assert s.kv.pool.num_free == 3
+
+
+def _decoding_with_drafts(s: Scheduler, rid: str, drafts: list[int]) -> Request:
+    r = request(rid, 3, 20, start=10 * len(s.requests) + 1)
+    s.add_request(r)
+    step(s)                                        # its prefill; it now decodes
+    r.spec_token_ids = list(drafts)
+    return r
+
+
+def test_drafts_take_only_the_budget_that_prefill_leaves():
+    s = make(budget=8)
+    a = _decoding_with_drafts(s, "a", [7, 7, 7, 7])
+    s.add_request(request("b", 6, 4, start=100))   # waiting: its prefill comes before a's drafts
+    out = s.schedule()
+    by_id = {sr.request_id: sr for sr in out.scheduled}
+    assert by_id["b"].num_new_tokens == 6
+    assert by_id["a"].num_new_tokens == 2 and by_id["a"].num_draft_tokens == 1    # 8 - 1 - 6 left
+    assert list(by_id["a"].token_ids) == [a.all_token_ids[-1], 7]
+    assert [sr.request_id for sr in out.scheduled] == ["a", "b"]                   # running first still
+
+
+def test_drafts_get_every_token_left_without_prefill_and_never_preempt():
+    s = make(budget=16)
+    _decoding_with_drafts(s, "a", [5, 6, 7])
+    out = s.schedule()
+    assert out.scheduled[0].num_draft_tokens == 3 and out.scheduled[0].num_new_tokens == 4
+    # a pool with no block to spare: the drafts are dropped, no one is preempted
+    s = make(num_blocks=3, budget=16)
+    a = _decoding_with_drafts(s, "a", [5, 6, 7, 8, 9])       # decodes position 4 (then 5): blocks 0, 1
+    b = _decoding_with_drafts(s, "b", [1, 2])                # decodes position 3: block 2, the last one
+    out = s.schedule()
+    assert not out.preempted_request_ids and {sr.request_id for sr in out.scheduled} == {"a", "b"}
+    assert all(sr.num_draft_tokens == 0 for sr in out.scheduled)
+    assert a.status == b.status == RequestStatus.RUNNING

@@ -49,6 +49,29 @@ class StepBudget:
             self.seconds -= self.model.marginal(chunk_features(start_position, n))
         return n
 
+    def grant_drafts(self, start_position: int, wanted: int) -> int:
+        """How many of `wanted` draft tokens may follow the decode token granted at start_position: drafts
+        come last in a step, from the tokens and time its own work left (never past them); charges them as
+        the growth of that decode row into a chunk of 1 + n tokens."""
+        n = min(wanted, self.tokens)
+        if n <= 0:
+            return 0
+        if self.model is not None:
+            one = self.model.marginal(chunk_features(start_position, 1))
+            if math.isfinite(self.seconds):
+                n = max(self.model.max_chunk(start_position, 1 + n, self.seconds + one) - 1, 0)
+            if n:
+                self.seconds -= self.model.marginal(chunk_features(start_position, 1 + n)) - one
+        self.tokens -= n
+        return n
+
+    def refund_drafts(self, start_position: int, n: int) -> None:
+        """Give back a grant_drafts that was not scheduled (no KV slots for it)."""
+        self.tokens += n
+        if self.model is not None and n:
+            self.seconds += self.model.marginal(chunk_features(start_position, 1 + n)) - \
+                self.model.marginal(chunk_features(start_position, 1))
+
     def refund(self, start_position: int, n: int) -> None:
         """Give back a grant that was not scheduled (its request was preempted instead)."""
         self.tokens += n

@@ -3,7 +3,9 @@
 Per step: the policy sets the step's budget (tokens, and predicted seconds by the step-time model);
 running requests first (in the policy's order) get what they need (1 decode token, or a prefill chunk),
 then waiting requests are admitted, in the policy's order and while it agrees, while the budget, the
-sequence limit and the KV pool allow. When the pool runs dry for a running request, the policy's victim is
+sequence limit and the KV pool allow; last, decoding requests' speculative drafts take what the budget and
+the pool have left (drafts never displace prefill work nor cost a preemption: in a step that prefill fills,
+a draft token costs as much compute as a prompt token and is often rejected). When the pool runs dry for a running request, the policy's victim is
 preempted (blocks freed, to be recomputed later from its tokens, which reproduces exactly the same
 continuation). Every executed step is fed back to the step-time model (EngineCore times it).
 """
@@ -91,13 +93,14 @@ class Scheduler:
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
+        self._schedule_drafts(budget, scheduled)
         out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step,
                               self.num_lookahead_tokens)
         self.finished_since_last_step, self.trimmed_since_last_step = [], []
         return out
 
     def _chunk(self, request: Request, start: int, budget: StepBudget) -> int:
-        n = request.num_tokens - start + (len(request.spec_token_ids) if start == request.num_tokens - 1 else 0)
+        n = request.num_tokens - start
         threshold = self.config.long_prefill_token_threshold
         return budget.grant(start, min(n, threshold) if threshold > 0 else n)
 
@@ -150,6 +153,26 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             scheduled.append(self._scheduled(request, num_new))
+
+    def _schedule_drafts(self, budget: StepBudget, scheduled: list) -> None:
+        """Each decoding request with drafts (in scheduled order) grows its 1 decode token by as many drafts
+        as the budget left and the pool has slots for."""
+        threshold = self.config.long_prefill_token_threshold
+        for i, sr in enumerate(scheduled):
+            if budget.tokens <= 0:
+                return
+            request = self.requests[sr.request_id]
+            wanted = len(request.spec_token_ids)
+            if threshold > 0:
+                wanted = min(wanted, threshold - 1)
+            if not wanted or sr.num_new_tokens != 1 or sr.start_position != request.num_tokens - 1:
+                continue
+            num_drafts = budget.grant_drafts(sr.start_position, wanted)
+            if num_drafts and self._allocate(request, sr.start_position, 1 + num_drafts) is None:
+                budget.refund_drafts(sr.start_position, num_drafts)
+                continue
+            if num_drafts:
+                scheduled[i] = self._scheduled(request, 1 + num_drafts)
 
     def _allocate(self, request: Request, start: int, num_new: int, hits=None):
         """Slots for the new tokens, plus lookahead slots for a worker-side drafter when the request samples

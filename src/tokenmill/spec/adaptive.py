@@ -8,8 +8,11 @@ Two sources, per batch-size bucket (1, 2-3, 4-7, ... decoding requests):
 - predicted, while a k has too few measurements there: the step-time model (core/step_time.py, the SLO
   scheduler's model: n chunks of 1 + k tokens instead of n decode rows) and the measured per-position
   acceptance alpha, E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per request.
-One step in `explore_every` of a bucket tries the k measured least there, so a choice made under one
-load is revisited under another."""
+Exploration: a k next to the best one (in choices' order) is tried again every `explore_every` steps of the
+bucket, so a choice made under one load is revisited under another; each time that k measured clearly
+worse than the best (below `explore_keep` of its rate) the interval doubles, up to `explore_max`, so a
+batch where speculation only loses pays for at most one trial step in explore_max (a trial at batch 64
+can take twice a normal step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +29,9 @@ class _Measured:
 
 class AdaptiveDraftLength:
     min_measured = 2.0            # weight of measurements before they replace the prediction
-    explore_every = 16
+    explore_every = 16            # steps of a bucket between trials of a neighbouring k (at first)
+    explore_max = 1024
+    explore_keep = 0.9
 
     def __init__(self, max_k: int, prior_alpha: float = 0.5, prior_weight: float = 8.0, decay: float = 0.95) -> None:
         self.max_k, self.decay = max_k, decay
@@ -34,6 +39,8 @@ class AdaptiveDraftLength:
         self.accepted, self.trials = prior_alpha * prior_weight, prior_weight
         self.measured: dict[tuple[int, int], _Measured] = {}
         self.steps: dict[int, int] = {}
+        self.explore_interval: dict[tuple[int, int], int] = {}     # (bucket, k) -> steps between trials
+        self.next_trial: dict[tuple[int, int], int] = {}           # (bucket, k) -> the bucket's step count
         self.last_k = max_k                       # the latest choice (observability)
 
     @staticmethod
@@ -65,13 +72,23 @@ class AdaptiveDraftLength:
         if not positions:
             return self.last_k
         b = self.bucket(len(positions))
-        self.steps[b] = self.steps.get(b, 0) + 1
-        if self.steps[b] % self.explore_every == 0:
-            k = min(self.choices, key=lambda c: self.measured.get((b, c), _Measured()).weight)
-        else:
-            k = max(self.choices, key=lambda c: (self._rate(model, positions, b, c), -c))
+        step = self.steps[b] = self.steps.get(b, 0) + 1
+        rates = {c: self._rate(model, positions, b, c) for c in self.choices}
+        k = max(self.choices, key=lambda c: (rates[c], -c))
+        i = self.choices.index(k)
+        for c in self.choices[max(i - 1, 0):i + 2]:
+            if c != k and step >= self.next_trial.setdefault((b, c), step + self.explore_every):
+                self._schedule_next_trial(b, c, step, rates[c] < self.explore_keep * rates[k])
+                k = c
+                break
         self.last_k = k
         return k
+
+    def _schedule_next_trial(self, b: int, c: int, step: int, clearly_worse: bool) -> None:
+        interval = self.explore_interval.get((b, c), self.explore_every)
+        interval = min(2 * interval, self.explore_max) if clearly_worse else self.explore_every
+        self.explore_interval[(b, c)] = interval
+        self.next_trial[(b, c)] = step + interval
 
     def _rate(self, model: StepTimeModel, positions: list[int], b: int, k: int) -> float:
         m = self.measured.get((b, k))

@@ -50,12 +50,16 @@ class DraftModelDrafter(Drafter):
         for sr in step.sched_out.scheduled:
             sampled = step.sampled.get(sr.request_id)
             feed, first = self._feed(sr, sampled)
-            if not feed:
+            # the token sampled now sits one position past the step's slots: where the block table has no
+            # lookahead slot for it, it is left out (the next step computes it as its own token anyway)
+            reachable = feed[:max(0, len(sr.block_ids) * step.block_size - first)]
+            if not reachable:
                 continue
-            ids.extend(feed)
-            positions.extend(range(first, first + len(feed)))
-            requests.append((sr.block_ids, first, len(feed)))
-            if sampled and step.k and speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)):
+            ids.extend(reachable)
+            positions.extend(range(first, first + len(reachable)))
+            requests.append((sr.block_ids, first, len(reachable)))
+            if len(reachable) == len(feed) and sampled and step.k and \
+                    speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)):
                 tails.append((sr, len(ids) - 1, first + len(feed) - 1))
         if not tails:
             if ids and self.num_layers is None:       # still fill the draft model's cache
