@@ -53,7 +53,7 @@ def linear_bytes(model) -> int:
     """Bytes of the linear weights one decode step at batch 1 reads, as the path that runs it stores them:
     the tile kernel's tiles where a layer has them, else the method's packed weight."""
     from tokenmill.layers.linear import Linear
-    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("weight",),
+    names = [("q4_tiles",), ("q8_tiles", "q8_tile_scales"), ("f32_tiles",), ("fp4_tiles", "fp4_tile_scale"), ("weight",),
              ("w8a8_weight_t", "w8a8_weight_scale"),
              ("int4_packed", "scales_and_zeros"), ("qweight", "scales"), ("fp8_weight", "fp8_scale"),
              ("fp4_weight", "fp4_scale", "fp4_row_scale")]

@@ -440,6 +440,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("N"));
     m.def("gemv_q4", &gemv_q4, "x @ (d * q4 + m)^T, q4 tiles of 16 rows x 32 inputs (CPU)", py::arg("x"),
           py::arg("q"), py::arg("N"));
+    m.def("gemv_nvfp4", &gemv_nvfp4, "x @ (e2m1 * e4m3 * row_scale)^T, NVFP4 tiles of 16 rows x 32 inputs (CPU)",
+          py::arg("x"), py::arg("q"), py::arg("row_scale"), py::arg("N"));
 #endif
 #ifdef TOKENMILL_GREEDY_HEAD   // AVX-512 VNNI builds only; Python checks hasattr(module, "greedy_head")
     m.def("greedy_head", &greedy_head,

@@ -5,7 +5,7 @@
 //
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
-// (gemv_q8), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs
+// (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs
 // the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
 
@@ -37,8 +37,10 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
                            LargeLinear large)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
       small_rows_(small_rows), large_(std::move(large)) {
-  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8", "DecodeLinear: unknown kind ", kind_);
-  TORCH_CHECK(kind_ != "q8" || scales_.has_value(), "DecodeLinear: q8 needs its scales");
+  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4", "DecodeLinear: unknown kind ",
+              kind_);
+  TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4") || scales_.has_value(), "DecodeLinear: ", kind_,
+              " needs its scales");
   TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn", "DecodeLinear: unknown large kind ", large_.kind);
 #ifndef TOKENMILL_GEMV_KERNELS
   TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
@@ -63,6 +65,8 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
     y = gemv_f32(x, weight_, n_);
   } else if (kind_ == "q4") {
     y = gemv_q4(x, weight_, n_);
+  } else if (kind_ == "nvfp4") {
+    y = gemv_nvfp4(x, weight_, *scales_, n_);
   } else {
     y = gemv_q8(x, weight_, *scales_, n_);
   }

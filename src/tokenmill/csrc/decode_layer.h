@@ -31,7 +31,7 @@ class DecodeLinear {
 
  private:
   torch::Tensor large(const torch::Tensor& x) const;
-  std::string kind_;               // "f32" | "q4" | "q8": which tiles weight_ holds
+  std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds
   torch::Tensor weight_;
   c10::optional<torch::Tensor> scales_, bias_;
   int64_t n_, small_rows_;

@@ -6,6 +6,8 @@
 //   gemv_f32(x [M, K] f32, w [N/16, K, 16] f32, N)                            exact float32 weights
 //   gemv_q8(x [M, K] f32, q [N/16, K/32, 512] int8, scale [N/16*16] f32, N)   w[n, k] = q[n, k] * scale[n]
 //   gemv_q4(x [M, K] f32, q [N/16, K/32, 320] uint8, N)                       w[n, k] = d[n, g] q4[n, k] + m[n, g]
+//   gemv_nvfp4(x [M, K] f32, q [N/16, K/32, 288] uint8, row_scale [N/16*16] f32, N)
+//                                                    w[n, k] = e2m1[n, k] * e4m3[n, k / 16] * tensor_scale[n]
 // (N/16 rounded up.)
 // All return y [M, N] float32; x rows may be strided (last dim contiguous), the weights are contiguous.
 // f32 tiles hold 16 rows' weights of one input side by side (one FMA per 16 weights, no horizontal sums).
@@ -25,6 +27,15 @@
 //                                    (high nibble), j = 0..3;
 //   bytes [256, 288): d of the 16 rows (float16);  bytes [288, 320): m of the 16 rows (float16).
 // GGUF Q4_1's d and m are float16 too: 20 bytes per 32 weights, as in the file.
+// nvfp4 tile = 288 bytes (18 bytes per 32 weights, NVFP4's own 4.5 bits a weight):
+//   bytes [0, 256): E2M1 codes in q4's nibble order;
+//   bytes [256 + 16h, 256 + 16h + 16), h = 0, 1: the E4M3 block scale (raw byte) of the 16 rows for inputs
+//                                                [16h, 16h + 16) of the group.
+// NVFP4 is an int8 format in disguise: 2 x E2M1 is an integer in [-12, 12], so a code becomes the unsigned
+// byte 2 v + 12 in [0, 24] by one byte shuffle and the VNNI dot product over a block of 16 is exact; the
+// +12 is taken back with the activations' integer sum over the block (QuantizedRows::hsum). An E4M3 byte
+// becomes float16 bits exactly by moving its fields ((b & 0x7F) << 7 | (b & 0x80) << 8 is the value times
+// 2^-8, subnormals included); row_scale carries the tensor scale times 2^8 / 2 (the factor 2 above).
 #include "gemv_kernels.h"
 
 #include <cmath>
@@ -48,9 +59,10 @@ struct QuantizedRows {
   std::vector<float> s;       // [M, G]
   std::vector<float> xsum;    // [M, G] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
   std::vector<float> shift;   // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
+  std::vector<int32_t> hsum;  // [M, 2 G] sum of xi over each half group of 16 (nvfp4's blocks)
 
   QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
-      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_) {
+      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_), hsum(2 * M_ * G) {
     for (int64_t m = 0; m < M; ++m) {
       double sh = 0.0;
       for (int64_t g = 0; g < G; ++g) {
@@ -65,7 +77,10 @@ struct QuantizedRows {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(ia));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(ib));
         s[m * G + g] = scale;
-        const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        const int isum_a = _mm512_reduce_add_epi32(ia), isum_b = _mm512_reduce_add_epi32(ib);
+        const int isum = isum_a + isum_b;
+        hsum[2 * (m * G + g)] = isum_a;
+        hsum[2 * (m * G + g) + 1] = isum_b;
         xsum[m * G + g] = scale * static_cast<float>(isum);
         sh += 128.0 * scale * isum;
       }
@@ -147,6 +162,60 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, acc[m]);
 }
 
+// The 16 rows' E4M3 scale bytes at p as float32 times 2^-8 (see the nvfp4 tile above).
+inline __m512 e4m3_times_2_pow_minus_8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(bits);
+}
+
+// nvfp4: y[m0 + m, 16 rb .. 16 rb + 16) for MB rows of x; each group's two blocks of 16 are summed apart
+// (chunks 0-1 hold inputs 0-15, chunks 2-3 inputs 16-31) and scaled by their own E4M3 scales.
+template <int MB>
+void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, const float* row_scale, float* y,
+                     int64_t ldy, int64_t rb, int64_t N) {
+  const int64_t G = a.G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 2 x E2M1 + 12 for codes 0..15 (bit 3 the sign), in every 128-bit lane for the byte shuffle
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                           12, 11, 10, 9, 8, 6, 4, 0));
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* tile = tiles + rb * G * 288;
+  for (int64_t g = 0; g < G; ++g, tile += 288) {
+    for (int p = 0; p < 288; p += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 288 + p), _MM_HINT_T0);
+    __m512i dot[2][MB];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MB; ++m) dot[h][m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i w = _mm512_loadu_si512(tile + 64 * c);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(w, low4));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* x8 = a.xi.data() + (m0 + m) * a.K + 32 * g + 8 * c;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, x8, 4);
+        std::memcpy(&x_hi, x8 + 4, 4);
+        dot[c / 2][m] = _mm512_dpbusd_epi32(dot[c / 2][m], lo, _mm512_set1_epi32(x_lo));
+        dot[c / 2][m] = _mm512_dpbusd_epi32(dot[c / 2][m], hi, _mm512_set1_epi32(x_hi));
+      }
+    }
+    const __m512 sc[2] = {e4m3_times_2_pow_minus_8(tile + 256), e4m3_times_2_pow_minus_8(tile + 272)};
+    for (int m = 0; m < MB; ++m) {
+      const int64_t sg = (m0 + m) * G + g;
+      const __m512 s = _mm512_set1_ps(a.s[sg]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i exact = _mm512_sub_epi32(dot[h][m], _mm512_set1_epi32(12 * a.hsum[2 * sg + h]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sc[h], s), acc[m]);
+      }
+    }
+  }
+  const __m512 rs = _mm512_loadu_ps(row_scale + 16 * rb);
+  const __mmask16 mask = tail_mask(N - 16 * rb);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, _mm512_mul_ps(acc[m], rs));
+}
+
 // f32: y[m0 + m, 16 rb .. 16 (rb + NB)) for MB rows of x, from NB blocks' tiles [K, 16] (input k of a
 // block's 16 rows side by side). An MB x NB grid of accumulators (up to 8 x 3 = 24 of the 32 vector
 // registers): each weight load feeds MB FMAs and each broadcast of x feeds NB. Each output sums its
@@ -213,43 +282,58 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
   return y;
 }
 
-torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 3 && q.is_contiguous() && q.size(2) == 512 &&
-                  q.size(0) == (N + 15) / 16, "gemv_q8: weight must be contiguous int8 [", (N + 15) / 16,
-              ", K/32, 512] tiles, got ", q.sizes());
+namespace {
+
+// The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
+// row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
+template <class RowBlock>
+torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
+                        const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N, const RowBlock& row_block) {
+  TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 3 && q.is_contiguous() && q.size(2) == tile_bytes &&
+                  q.size(0) == (N + 15) / 16, name, ": weight must be contiguous ", dtype_name, " [",
+              (N + 15) / 16, ", K/32, ", tile_bytes, "] tiles, got ", q.sizes());
   const int64_t K = 32 * q.size(1), M = x.size(0), blocks = q.size(0);
-  check_x(x, K, "gemv_q8");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == 16 * blocks,
-              "gemv_q8: scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
+  check_x(x, K, name);
+  TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                                   scale->numel() == 16 * blocks),
+              name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
   const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K);
   auto y = torch::empty({M, N}, x.options());
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, q.size(1) * 512, [&](auto rows, int64_t m0, int64_t rb) {
-      q8_row_block<decltype(rows)::value>(a, m0, qp, sp, yp + m0 * N, N, rb, N);
+    for_tiles(M, b0, b1, q.size(1) * tile_bytes, [&](auto rows, int64_t m0, int64_t rb) {
+      row_block(rows, a, m0, rb, yp + m0 * N);
     });
   });
   return y;
 }
 
+}  // namespace
+
+torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
+  const auto* qp = static_cast<const int8_t*>(q.data_ptr());
+  const auto* sp = static_cast<const float*>(scale.data_ptr());
+  return int_tiles("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
+                   [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
+                     q8_row_block<decltype(rows)::value>(a, m0, qp, sp, y, N, rb, N);
+                   });
+}
+
 torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
-  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && q.size(2) == 320 &&
-                  q.size(0) == (N + 15) / 16, "gemv_q4: weight must be contiguous uint8 [", (N + 15) / 16,
-              ", K/32, 320] tiles, got ", q.sizes());
-  const int64_t K = 32 * q.size(1), M = x.size(0), blocks = q.size(0);
-  check_x(x, K, "gemv_q4");
-  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K);
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, q.size(1) * 320, [&](auto rows, int64_t m0, int64_t rb) {
-      q4_row_block<decltype(rows)::value>(a, m0, qp, yp + m0 * N, N, rb, N);
-    });
-  });
-  return y;
+  const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
+  return int_tiles("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
+                   [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
+                     q4_row_block<decltype(rows)::value>(a, m0, qp, y, N, rb, N);
+                   });
+}
+
+torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
+  const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const auto* rp = static_cast<const float*>(row_scale.data_ptr());
+  return int_tiles("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+                   [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
+                     nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
+                   });
 }
 
 #endif  // TOKENMILL_GEMV_KERNELS

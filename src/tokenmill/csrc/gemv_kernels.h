@@ -8,4 +8,5 @@
 torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N);
 torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N);
 torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N);
+torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N);
 #endif

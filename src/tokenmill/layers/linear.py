@@ -62,14 +62,10 @@ class Linear(nn.Module):
         """This layer as csrc/decode_layer.cpp's DecodeLinear: the tile kernel its steps of up to
         tile_max_rows rows run and, where the method names one, the kernel `apply` runs for larger steps.
         None without a tile kernel (e.g. w8a8, or float32-compute reference modes)."""
-        if self.tile_fn is not None and getattr(self, "q4_tiles", None) is not None:
-            kind, weight, scales = "q4", self.q4_tiles, None
-        elif self.tile_fn is not None and getattr(self, "q8_tiles", None) is not None:
-            kind, weight, scales = "q8", self.q8_tiles, self.q8_tile_scales
-        elif self.tile_fn is not None and getattr(self, "f32_tiles", None) is not None:
-            kind, weight, scales = "f32", self.f32_tiles, None
-        else:
+        tiles = self.quant_method.tile_weights(self) if self.tile_fn is not None else None
+        if tiles is None:
             return None
+        kind, weight, scales = tiles
         bias = None if self.bias is None else self.bias.data
         large = self.quant_method.large_kernel(self)
         # kind "" = no kernel above tile_max_rows (its weight argument is unused)

@@ -5,8 +5,9 @@ A method object is stateless and shared by all layers that use it; what it compu
     create_weights(layer)                  at construction: the float32 `weight` [out, in] checkpoints load into
     process_weights_after_loading(layer)   once, after loading: pack `weight` for the kernel, drop it
     apply(layer, x)                        every forward: x [T, in] float32 -> [T, out] float32
-    tile_kernel(layer)                     once, after packing: the native tile kernel's function for steps
-                                           of at most `tile_max_rows` rows, or None
+    tile_weights(layer)                    once, after packing: (kind, tiles, scales) of the native tile
+                                           kernel gemv_<kind> its steps of at most `tile_max_rows` rows run,
+                                           or None; tile_kernel(layer) binds it
     large_kernel(layer)                    once, after packing: what `apply` runs, named for the native
                                            decoder layer (csrc/decode_layer.h LargeLinear), or None
 """
@@ -52,10 +53,20 @@ class QuantMethod:
         """x [T, in_features] float32 -> [T, out_features] float32 (bias included)."""
         raise NotImplementedError
 
+    def tile_weights(self, layer: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
+        """(kind, tiles, scales or None) for csrc/gemv_kernels.cpp's gemv_<kind> over this layer's packed
+        weights (also what csrc/decode_layer.h's DecodeLinear runs); None when `apply` is the only path."""
+        return None
+
     def tile_kernel(self, layer: nn.Module):
         """A function x [T, in] float32 -> [T, out] float32 (bias included) for T <= tile_max_rows, bound to
-        this layer's packed weights; None when `apply` is the only path."""
-        return None
+        this layer's tiles (tile_weights); None when `apply` is the only path."""
+        found = self.tile_weights(layer)
+        if found is None:
+            return None
+        from tokenmill.quant import tile_kernels
+        kind, tiles, scales = found
+        return tile_kernels.bind(layer, f"gemv_{kind}", tiles, *(() if scales is None else (scales,)))
 
     def large_kernel(self, layer: nn.Module) -> tuple[str, torch.Tensor] | None:
         """(kind, weight) of the kernel `apply` runs for steps above tile_max_rows, for csrc/decode_layer.h's

@@ -10,13 +10,22 @@ nibble, as ModelOpt, compressed-tensors and the OCP MX spec pack them), decoded 
 - MXFP4: blocks of 32; scale = 2^e with e an E8M0 exponent: floor(log2(block amax)) - 2 (E2M1's largest
   exponent), so the block's largest value lands in [4, 8) before rounding (6 at most, saturating).
 
-Activations stay float32: the exact reference of each format. Without the native build, `apply`
+Activations stay float32 there: the exact reference of each format. Without the native build, `apply`
 dequantizes per call (slow, exact). A tied head gets an int8 copy, as with int4 and fp8.
+
+NVFP4's fast mode, where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py): every step
+runs csrc/gemv_kernels.cpp's gemv_nvfp4 over the weight in its tile layout (`fp4_tiles`, 4.5 bits a weight:
+the codes and E4M3 scale bytes as they are, the only copy then kept), with activations quantized to int8
+per 32 as int4's tiles take them; 2 x E2M1 is an integer, so the products are exact integer dot products
+and the one difference from the reference is the activations' int8 rounding. `NVFP4Method(
+int8_activations=False)` keeps the float32-activation reference instead (the class attribute of that name
+sets it for every engine built after).
 """
 from __future__ import annotations
 
 import torch
 
+from tokenmill.quant import tile_kernels
 from tokenmill.quant.base import QuantMethod
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -77,6 +86,24 @@ def quantize(w: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """w [n, K] / its float32 scales [n, K / block] -> packed codes [n, K / 2] (a zero scale gives code 0)."""
     full = scales.repeat_interleave(block, dim=1)
     return pack(to_e2m1(torch.where(full > 0, w / full.clamp_min(torch.finfo(torch.float32).tiny), 0.0)))
+
+
+def pack_nvfp4_tiles(packed: torch.Tensor, scale_codes: torch.Tensor, row_scale: torch.Tensor):
+    """NVFP4 codes [N, K / 2] (two a byte), E4M3 block scales [N, K / 16] (float8_e4m3fn) and tensor scale per
+    row [N] -> gemv_nvfp4's tiles [ceil(N / 16), K / 32, 288] uint8 (layout in csrc/gemv_kernels.cpp: the
+    codes in int4 tiles' nibble order, then per half group the 16 rows' scale bytes) and its row scale
+    [ceil(N / 16) * 16] float32 = tensor scale x 2^8 / 2 (what the kernel's decoding leaves out)."""
+    from tokenmill.quant.int4 import pack_q4_tiles
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    blocks, groups = -(-n // 16), k // 32
+    zeros = torch.zeros(n, groups)
+    nibbles = pack_q4_tiles(unpack(packed), zeros, zeros)[..., :256]                # [B, G, 256]
+    s = torch.zeros(blocks * 16, groups * 2, dtype=torch.uint8)
+    s[:n] = scale_codes.view(torch.uint8)
+    s = s.view(blocks, 16, groups, 2).permute(0, 2, 3, 1).reshape(blocks, groups, 32)   # [B, G, (half, row)]
+    rows = torch.zeros(blocks * 16)
+    rows[:n] = row_scale.float().reshape(-1) * 128.0
+    return torch.cat([nibbles, s], dim=2).contiguous(), rows
 
 
 def assemble_codes(layer, codes: list, name: str) -> torch.Tensor:
@@ -143,8 +170,7 @@ class FP4Method(QuantMethod):
         """The checkpoint's own codes, kept as they are (no float copy), with the scales of `checkpoint_fp4`."""
         self._register(layer, assemble_codes(layer, codes, self.name), *self.checkpoint_scales(layer))
 
-    @staticmethod
-    def _register(layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
+    def _register(self, layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
         """packed [N, K/2]; scales [N, K/block] float32; rows_scale [N]: scales are E4M3 values times it (then
         kept as E4M3 bytes where that gives them back to float32 rounding), or None."""
         layer.register_buffer("fp4_weight", packed.unsqueeze(0).contiguous(), persistent=False)          # [1, N, K/2]
@@ -176,6 +202,36 @@ class FP4Method(QuantMethod):
 class NVFP4Method(FP4Method):
     name = "nvfp4"
     block = 16
+    tile_max_rows = tile_kernels.ANY_ROWS
+    int8_activations = True            # the fast mode where the tile kernels exist (the default for every engine)
+
+    def __init__(self, int8_activations: bool | None = None) -> None:
+        if int8_activations is not None:
+            self.int8_activations = int8_activations
+
+    def uses_tiles(self, layer) -> bool:
+        """Whether every step of this layer runs gemv_nvfp4: the fast mode, the kernels, 32 | in_features,
+        and scales kept as E4M3 bytes times a row scale (the tiles hold those bytes)."""
+        return (self.int8_activations and tile_kernels.kernels() is not None and layer.in_features % 32 == 0
+                and layer.fp4_scale.dtype == torch.float8_e4m3fn)
+
+    def _register(self, layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
+        super()._register(layer, packed, scales, rows_scale)
+        if self.uses_tiles(layer):
+            tiles, tile_scale = pack_nvfp4_tiles(layer.fp4_weight[0], layer.fp4_scale[0], layer.fp4_row_scale[0])
+            layer.register_buffer("fp4_tiles", tiles, persistent=False)
+            layer.register_buffer("fp4_tile_scale", tile_scale, persistent=False)
+            del layer.fp4_weight, layer.fp4_scale, layer.fp4_row_scale                # the tiles are the copy
+
+    def tile_weights(self, layer):
+        tiles = getattr(layer, "fp4_tiles", None)
+        return None if tiles is None else ("nvfp4", tiles, layer.fp4_tile_scale)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "fp4_tiles", None) is not None:
+            return self.add_bias(layer, tile_kernels.kernels().gemv_nvfp4(x.float().contiguous(), layer.fp4_tiles,
+                                                                          layer.fp4_tile_scale, layer.out_features))
+        return super().apply(layer, x)
 
     def block_scales(self, w: torch.Tensor) -> torch.Tensor:
         block_scale, tensor_scale = nvfp4_scales(w)

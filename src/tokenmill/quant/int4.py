@@ -60,9 +60,9 @@ class Int4WeightOnlyMethod(QuantMethod):
         layer.register_buffer("int4_packed", packed, persistent=False)              # [N, K/2] uint8
         layer.register_buffer("scales_and_zeros", sz, persistent=False)
 
-    def tile_kernel(self, layer):
+    def tile_weights(self, layer):
         tiles = getattr(layer, "q4_tiles", None)
-        return None if tiles is None else tile_kernels.bind(layer, "gemv_q4", tiles)
+        return None if tiles is None else ("q4", tiles, None)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "int4_packed", None) is None:

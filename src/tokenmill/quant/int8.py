@@ -42,9 +42,9 @@ class Int8WeightOnlyMethod(QuantMethod):
             layer.register_buffer("scales", scale.to(self.compute_dtype), persistent=False)  # [N]
         self.drop_float_weight(layer)
 
-    def tile_kernel(self, layer):
+    def tile_weights(self, layer):
         tiles = getattr(layer, "q8_tiles", None)
-        return None if tiles is None else tile_kernels.bind(layer, "gemv_q8", tiles, layer.q8_tile_scales)
+        return None if tiles is None else ("q8", tiles, layer.q8_tile_scales)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "qweight", None) is None:

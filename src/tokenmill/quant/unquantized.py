@@ -38,9 +38,9 @@ class UnquantizedMethod(QuantMethod):
             if packed is not None:
                 self.drop_float_weight(layer)
 
-    def tile_kernel(self, layer):
+    def tile_weights(self, layer):
         tiles = getattr(layer, "f32_tiles", None)
-        return None if tiles is None else tile_kernels.bind(layer, "gemv_f32", tiles)
+        return None if tiles is None else ("f32", tiles, None)
 
     def large_kernel(self, layer):
         packed = getattr(layer, "_onednn_weight", None)
