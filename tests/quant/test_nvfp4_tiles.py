@@ -55,14 +55,15 @@ def test_tiles_hold_the_codes_and_scale_bytes_as_they_are():
     packed, scale, row_scale, _ = _random_nvfp4(20, 64, 3)
     tiles, tile_scale = fp4.pack_nvfp4_tiles(packed, scale, row_scale)
     assert tiles.shape == (2, 2, 288)
+    magnitude = scale.view(torch.uint8) & 0x7F       # a negative scale's sign moves into its block's codes
     # group 1 of block 0: scale bytes of rows 0..15, half 0 then half 1
-    assert torch.equal(tiles[0, 1, 256:272], scale.view(torch.uint8)[:16, 2])
-    assert torch.equal(tiles[0, 1, 272:288], scale.view(torch.uint8)[:16, 3])
-    assert torch.equal(tiles[1, 0, 256:260], scale.view(torch.uint8)[16:20, 0]) and not tiles[1, 0, 260:272].any()
+    assert torch.equal(tiles[0, 1, 256:272], magnitude[:16, 2]) and torch.equal(tiles[0, 1, 272:288], magnitude[:16, 3])
+    assert torch.equal(tiles[1, 0, 256:260], magnitude[16:20, 0]) and not tiles[1, 0, 260:272].any()
     assert torch.equal(tile_scale[:20], row_scale * 128) and not tile_scale[20:].any()
-    codes = fp4.unpack(packed)
+    codes = fp4.unpack(packed) ^ (((scale.view(torch.uint8) >> 7) * 8).repeat_interleave(16, 1))
     # chunk c, byte 4 i + j: row i's input 8c + j (low nibble) and 8c + 4 + j (high)
     assert tiles[0, 0, 64 * 2 + 4 * 5 + 1].item() == codes[5, 17].item() | (codes[5, 21].item() << 4)
+    assert (scale.view(torch.uint8) >> 7).any()      # the case above was exercised
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -29,13 +29,14 @@
 // GGUF Q4_1's d and m are float16 too: 20 bytes per 32 weights, as in the file.
 // nvfp4 tile = 288 bytes (18 bytes per 32 weights, NVFP4's own 4.5 bits a weight):
 //   bytes [0, 256): E2M1 codes in q4's nibble order;
-//   bytes [256 + 16h, 256 + 16h + 16), h = 0, 1: the E4M3 block scale (raw byte) of the 16 rows for inputs
-//                                                [16h, 16h + 16) of the group.
+//   bytes [256 + 16h, 256 + 16h + 16), h = 0, 1: the E4M3 block scale (its byte, sign bit clear) of the 16
+//                                                rows for inputs [16h, 16h + 16) of the group.
 // NVFP4 is an int8 format in disguise: 2 x E2M1 is an integer in [-12, 12], so a code becomes the unsigned
 // byte 2 v + 12 in [0, 24] by one byte shuffle and the VNNI dot product over a block of 16 is exact; the
-// +12 is taken back with the activations' integer sum over the block (QuantizedRows::hsum). An E4M3 byte
-// becomes float16 bits exactly by moving its fields ((b & 0x7F) << 7 | (b & 0x80) << 8 is the value times
-// 2^-8, subnormals included); row_scale carries the tensor scale times 2^8 / 2 (the factor 2 above).
+// +12 is taken back with the activations' integer sum over the block (QuantizedRows::hoffset). An E4M3 byte
+// of a positive scale becomes float16 bits exactly by one shift (b << 7 is the value times 2^-8, subnormals
+// included); row_scale carries the tensor scale times 2^8 / 2 (the factor 2 above). Six activation rows a
+// pass over the weights (four for q8 / q4): the code shuffles and scale conversions are shared by more rows.
 #include "gemv_kernels.h"
 
 #include <cmath>
@@ -59,10 +60,10 @@ struct QuantizedRows {
   std::vector<float> s;       // [M, G]
   std::vector<float> xsum;    // [M, G] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
   std::vector<float> shift;   // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
-  std::vector<int32_t> hsum;  // [M, 2 G] sum of xi over each half group of 16 (nvfp4's blocks)
+  std::vector<int32_t> hoffset;  // [M, 2 G] -12 x the sum of xi over each half group of 16 (nvfp4's blocks)
 
   QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
-      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_), hsum(2 * M_ * G) {
+      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_), hoffset(2 * M_ * G) {
     for (int64_t m = 0; m < M; ++m) {
       double sh = 0.0;
       for (int64_t g = 0; g < G; ++g) {
@@ -79,8 +80,8 @@ struct QuantizedRows {
         s[m * G + g] = scale;
         const int isum_a = _mm512_reduce_add_epi32(ia), isum_b = _mm512_reduce_add_epi32(ib);
         const int isum = isum_a + isum_b;
-        hsum[2 * (m * G + g)] = isum_a;
-        hsum[2 * (m * G + g) + 1] = isum_b;
+        hoffset[2 * (m * G + g)] = -12 * isum_a;
+        hoffset[2 * (m * G + g) + 1] = -12 * isum_b;
         xsum[m * G + g] = scale * static_cast<float>(isum);
         sh += 128.0 * scale * isum;
       }
@@ -162,12 +163,22 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * rb, mask, acc[m]);
 }
 
-// The 16 rows' E4M3 scale bytes at p as float32 times 2^-8 (see the nvfp4 tile above).
-inline __m512 e4m3_times_2_pow_minus_8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_cvtph_ps(bits);
+// The E4M3 scale bytes of one tile (32: half 0's 16 rows, then half 1's), all positive (pack_nvfp4_tiles moves
+// a negative scale's sign into its codes), as float32 times 2^-8: byte << 7 is the float16 of that.
+inline void e4m3_scales(const uint8_t* p, __m512* half0, __m512* half1) {
+  const __m512i bits = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7);
+  *half0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  *half1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+// 2 v + 12 for the E2M1 code in the low nibble of every byte of w (the high nibble is ignored). With VBMI
+// one vpermb (it reads 6 index bits, and the table repeats every 16 bytes); else a mask and a byte shuffle.
+inline __m512i e2m1_bytes(const __m512i& lut, const __m512i& w) {
+#ifdef __AVX512VBMI__
+  return _mm512_permutexvar_epi8(w, lut);
+#else
+  return _mm512_shuffle_epi8(lut, _mm512_and_si512(w, _mm512_set1_epi8(0x0F)));
+#endif
 }
 
 // nvfp4: y[m0 + m, 16 rb .. 16 rb + 16) for MB rows of x; each group's two blocks of 16 are summed apart
@@ -176,8 +187,7 @@ template <int MB>
 void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, const float* row_scale, float* y,
                      int64_t ldy, int64_t rb, int64_t N) {
   const int64_t G = a.G;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // 2 x E2M1 + 12 for codes 0..15 (bit 3 the sign), in every 128-bit lane for the byte shuffle
+  // 2 x E2M1 + 12 for codes 0..15 (bit 3 the sign), repeated: every 16 bytes of the register
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                            12, 11, 10, 9, 8, 6, 4, 0));
   __m512 acc[MB];
@@ -185,13 +195,13 @@ void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, c
   const uint8_t* tile = tiles + rb * G * 288;
   for (int64_t g = 0; g < G; ++g, tile += 288) {
     for (int p = 0; p < 288; p += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 288 + p), _MM_HINT_T0);
+    // each block's dot product starts at -12 x its activations' sum: it ends at sum (2 v) xi, exactly
     __m512i dot[2][MB];
     for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MB; ++m) dot[h][m] = _mm512_setzero_si512();
+      for (int m = 0; m < MB; ++m) dot[h][m] = _mm512_set1_epi32(a.hoffset[2 * ((m0 + m) * G + g) + h]);
     for (int c = 0; c < 4; ++c) {
       const __m512i w = _mm512_loadu_si512(tile + 64 * c);
-      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(w, low4));
-      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+      const __m512i lo = e2m1_bytes(lut, w), hi = e2m1_bytes(lut, _mm512_srli_epi16(w, 4));
       for (int m = 0; m < MB; ++m) {
         const int8_t* x8 = a.xi.data() + (m0 + m) * a.K + 32 * g + 8 * c;
         int32_t x_lo, x_hi;
@@ -201,14 +211,12 @@ void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, c
         dot[c / 2][m] = _mm512_dpbusd_epi32(dot[c / 2][m], hi, _mm512_set1_epi32(x_hi));
       }
     }
-    const __m512 sc[2] = {e4m3_times_2_pow_minus_8(tile + 256), e4m3_times_2_pow_minus_8(tile + 272)};
-    for (int m = 0; m < MB; ++m) {
-      const int64_t sg = (m0 + m) * G + g;
-      const __m512 s = _mm512_set1_ps(a.s[sg]);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i exact = _mm512_sub_epi32(dot[h][m], _mm512_set1_epi32(12 * a.hsum[2 * sg + h]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sc[h], s), acc[m]);
-      }
+    __m512 sc[2];
+    e4m3_scales(tile + 256, &sc[0], &sc[1]);
+    for (int m = 0; m < MB; ++m) {        // (sc_a dot_a + sc_b dot_b) s: 2 conversions, 1 mul, 2 fma a row
+      const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1][m]), sc[1],
+                                          _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0][m]), sc[0]));
+      acc[m] = _mm512_fmadd_ps(both, _mm512_set1_ps(a.s[(m0 + m) * G + g]), acc[m]);
     }
   }
   const __m512 rs = _mm512_loadu_ps(row_scale + 16 * rb);
@@ -284,9 +292,11 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
 
 namespace {
 
+constexpr int kNVFP4Rows = 6;     // activation rows per pass over nvfp4 tiles (registers: 2 x 6 dots + 6 sums)
+
 // The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
 // row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
-template <class RowBlock>
+template <int TileRows, class RowBlock>
 torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
                         const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N, const RowBlock& row_block) {
   TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 3 && q.is_contiguous() && q.size(2) == tile_bytes &&
@@ -301,7 +311,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
-    for_tiles(M, b0, b1, q.size(1) * tile_bytes, [&](auto rows, int64_t m0, int64_t rb) {
+    for_tiles<TileRows>(M, b0, b1, q.size(1) * tile_bytes, [&](auto rows, int64_t m0, int64_t rb) {
       row_block(rows, a, m0, rb, yp + m0 * N);
     });
   });
@@ -313,7 +323,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
 torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
   const auto* qp = static_cast<const int8_t*>(q.data_ptr());
   const auto* sp = static_cast<const float*>(scale.data_ptr());
-  return int_tiles("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
+  return int_tiles<tile_loop::kTileRows>("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q8_row_block<decltype(rows)::value>(a, m0, qp, sp, y, N, rb, N);
                    });
@@ -321,7 +331,7 @@ torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int
 
 torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
-  return int_tiles("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
+  return int_tiles<tile_loop::kTileRows>("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q4_row_block<decltype(rows)::value>(a, m0, qp, y, N, rb, N);
                    });
@@ -330,7 +340,7 @@ torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
 torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const auto* rp = static_cast<const float*>(row_scale.data_ptr());
-  return int_tiles("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+  return int_tiles<kNVFP4Rows>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
                    });

@@ -92,14 +92,18 @@ def pack_nvfp4_tiles(packed: torch.Tensor, scale_codes: torch.Tensor, row_scale:
     """NVFP4 codes [N, K / 2] (two a byte), E4M3 block scales [N, K / 16] (float8_e4m3fn) and tensor scale per
     row [N] -> gemv_nvfp4's tiles [ceil(N / 16), K / 32, 288] uint8 (layout in csrc/gemv_kernels.cpp: the
     codes in int4 tiles' nibble order, then per half group the 16 rows' scale bytes) and its row scale
-    [ceil(N / 16) * 16] float32 = tensor scale x 2^8 / 2 (what the kernel's decoding leaves out)."""
+    [ceil(N / 16) * 16] float32 = tensor scale x 2^8 / 2 (what the kernel's decoding leaves out). A negative
+    block scale is stored as its magnitude with its block's codes negated (E2M1's sign bit flipped): exact."""
     from tokenmill.quant.int4 import pack_q4_tiles
     n, k = packed.shape[0], 2 * packed.shape[1]
     blocks, groups = -(-n // 16), k // 32
+    scale_bytes = scale_codes.view(torch.uint8)
+    negative = (scale_bytes & 0x80) != 0                                             # [N, K / 16]
+    codes = unpack(packed).view(n, k // 16, 16) ^ (negative.to(torch.uint8) * 8).unsqueeze(-1)
     zeros = torch.zeros(n, groups)
-    nibbles = pack_q4_tiles(unpack(packed), zeros, zeros)[..., :256]                # [B, G, 256]
+    nibbles = pack_q4_tiles(codes.view(n, k), zeros, zeros)[..., :256]              # [B, G, 256]
     s = torch.zeros(blocks * 16, groups * 2, dtype=torch.uint8)
-    s[:n] = scale_codes.view(torch.uint8)
+    s[:n] = scale_bytes & 0x7F
     s = s.view(blocks, 16, groups, 2).permute(0, 2, 3, 1).reshape(blocks, groups, 32)   # [B, G, (half, row)]
     rows = torch.zeros(blocks * 16)
     rows[:n] = row_scale.float().reshape(-1) * 128.0
