@@ -18,8 +18,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def head(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama", tie_word_embeddings=False)
     out = str(tmp_path_factory.mktemp("mtp-head"))
-    assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--max-tokens", "24",
-                 "--steps", "50", "--lr", "3e-3"]) == 0
+    assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--num-summaries", "4",
+                 "--max-tokens", "24", "--steps", "50", "--lr", "3e-3"]) == 0
     return model, out
 
 
@@ -28,7 +28,7 @@ def test_train_mtp_writes_a_head_whose_loss_falls(head):
     _, out = head
     assert sorted(os.listdir(out)) == ["loss.png", "mtp.safetensors", "mtp_config.json"]
     meta = json.load(open(os.path.join(out, "mtp_config.json")))
-    assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 and meta["steps"] == 50
+    assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 + 4 and meta["steps"] == 50
     assert 0.0 <= meta["heldout_top1_agreement"] <= 1.0
     curve = meta["loss_curve"]                      # the head learns the target's habits
     assert len(curve) == 50 and sum(curve[-8:]) / 8 < 0.9 * sum(curve[:8]) / 8

@@ -1,6 +1,8 @@
 """Training an MTP head (models/mtp.py's layout) for a model that has none, on text the model writes itself.
 
-1. Data: the engine generates from a spread of instruction prompts (sampled, so the text varies); each
+1. Data: the engine generates from a spread of instruction prompts (sampled, so the text varies), then
+   summarizes texts it wrote in the first round (greedy, as a summarization benchmark decodes: an answer
+   that copies from its context, which a head trained on free writing alone rarely predicts); each
    sequence's final hidden states h_p come from the same engine's model (the quantization it will serve
    with), with the target's next-token distributions q_{p+1} = softmax(lm_head(h_{p+1})).
 2. Model: enorm, hnorm, eh_proj and one decoder block of the target's own Hugging Face class (initialized
@@ -34,6 +36,7 @@ TOPICS = ["the ocean", "a small bakery", "volcanoes", "the first railway", "lear
 @dataclass(frozen=True)
 class TrainConfig:
     num_prompts: int = 96
+    num_summaries: int = 96           # second round: summaries of first-round texts (0: none)
     max_tokens: int = 160             # generated per prompt
     steps: int = 400
     lr: float = 1e-3
@@ -54,20 +57,26 @@ class TrainResult:
     tokens: int = 0
 
 
+def _chat(llm, text: str) -> str:
+    try:
+        return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain instruction
+        return text + "\n"
+
+
 def training_prompts(llm, n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     pairs = [(k, t) for k in KINDS for t in TOPICS]
     rng.shuffle(pairs)
-    tok = llm.tokenizer
-    out = []
-    for kind, topic in (pairs * (n // len(pairs) + 1))[:n]:
-        text = f"Write {kind} about {topic}."
-        try:
-            out.append(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                               add_generation_prompt=True))
-        except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain instruction
-            out.append(text + "\n")
-    return out
+    return [_chat(llm, f"Write {kind} about {topic}.") for kind, topic in (pairs * (n // len(pairs) + 1))[:n]]
+
+
+def summary_prompts(llm, texts: list[str], n: int) -> list[str]:
+    """Summarization requests over the model's own first-round texts (cycled to n)."""
+    texts = [t for t in texts if t.strip()]
+    return [_chat(llm, f"Summarize the following text in a few sentences.\n\n{texts[i % len(texts)].strip()}")
+            for i in range(n)] if texts else []
 
 
 @torch.inference_mode()
@@ -78,6 +87,9 @@ def generate_sequences(llm, cfg: TrainConfig, progress=None) -> list[Sequence]:
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
+    summaries = summary_prompts(llm, [o.outputs[0].text for o in outs], cfg.num_summaries)
+    if summaries:
+        outs += llm.generate(summaries, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens))
     model = llm.engine.core.runner.model
     seqs = []
     for out in outs:

@@ -16,6 +16,8 @@ def add_train_mtp_parser(sub) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="the target's quantization while making the data (its hidden states as served)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--num-summaries", type=int, default=d.num_summaries,
+                   help="second-round sequences: the model summarizing its own first-round texts (0: none)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per prompt")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
@@ -30,9 +32,11 @@ def cmd_train_mtp(ns) -> int:
     from tokenmill.loaders import open_model_source
     from tokenmill.spec.mtp import HEAD_CONFIG, HEAD_FILE
     from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, train
-    cfg = TrainConfig(ns.num_prompts, ns.max_tokens, ns.steps, ns.lr, seed=ns.seed)
-    if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2:
-        raise ValueError("train-mtp: --steps and --num-prompts must be >= 1 and --max-tokens >= 2")
+    cfg = TrainConfig(num_prompts=ns.num_prompts, num_summaries=ns.num_summaries, max_tokens=ns.max_tokens,
+                      steps=ns.steps, lr=ns.lr, seed=ns.seed)
+    if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2 or cfg.num_summaries < 0:
+        raise ValueError("train-mtp: --steps and --num-prompts must be >= 1, --max-tokens >= 2 and "
+                         "--num-summaries >= 0")
     os.makedirs(ns.out, exist_ok=True)
     console, t0 = Console(stderr=True), time.perf_counter()
     llm = LLM(ns.model, quantization=ns.quantization)
@@ -40,7 +44,8 @@ def cmd_train_mtp(ns) -> int:
     architecture = llm.engine.config.model.architecture
     last = source.hf_config.num_hidden_layers - 1
     with Progress(console=console) as progress:
-        task = progress.add_task(f"generating {cfg.num_prompts} sequences", total=cfg.num_prompts)
+        total = cfg.num_prompts + cfg.num_summaries
+        task = progress.add_task(f"generating {total} sequences", total=total)
         seqs = generate_sequences(llm, cfg, lambda: progress.advance(task))
         del llm
         weights = target_weights(source, lambda n: n in ("model.embed_tokens.weight", "lm_head.weight",
