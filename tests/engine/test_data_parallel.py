@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -73,15 +74,15 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
         outs = {}
         t0 = time.monotonic()
         victim = engine.core.replicas[1].link
-        killed = None
+        # mid-way through its requests (about 2 s of work on a fast CPU); a timer, as a step may block that long
+        killer = threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL))
+        killer.start()
         while engine.has_unfinished_requests() and time.monotonic() - t0 < 60:
-            if killed is None and time.monotonic() - t0 > 1.0:
-                os.kill(victim.pid, signal.SIGKILL)
-                killed = time.monotonic()
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = out
-        assert len(outs) == 8 and killed is not None
+        killer.join()
+        assert len(outs) == 8
         failed = {rid for rid, o in outs.items() if o.error}
         assert 1 <= len(failed) <= 7                                 # replica 1's share only
         assert all(f"data-parallel replica 1 (pid {victim.pid}) died" in outs[rid].error for rid in failed)
