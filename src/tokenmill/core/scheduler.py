@@ -5,9 +5,10 @@ running requests first (in the policy's order) get what they need (1 decode toke
 then waiting requests are admitted, in the policy's order and while it agrees, while the budget, the
 sequence limit and the KV pool allow; last, decoding requests' speculative drafts take what the budget and
 the pool have left (drafts never displace prefill work nor cost a preemption: in a step that prefill fills,
-a draft token costs as much compute as a prompt token and is often rejected). When the pool runs dry for a running request, the policy's victim is
-preempted (blocks freed, to be recomputed later from its tokens, which reproduces exactly the same
-continuation). Every executed step is fed back to the step-time model (EngineCore times it).
+a draft token costs as much compute as a prompt token and is often rejected; in a step that preempted,
+the pool is too tight to spend on drafts). When the pool runs dry for a running request, the policy's
+victim is preempted (blocks freed, to be recomputed later from its tokens, which reproduces exactly the
+same continuation). Every executed step is fed back to the step-time model (EngineCore times it).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class Scheduler:
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
-        self._schedule_drafts(budget, scheduled)
+            self._schedule_drafts(budget, scheduled)
         out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step,
                               self.num_lookahead_tokens)
         self.finished_since_last_step, self.trimmed_since_last_step = [], []
