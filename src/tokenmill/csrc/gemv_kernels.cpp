@@ -60,10 +60,12 @@ struct QuantizedRows {
   std::vector<float> s;       // [M, G]
   std::vector<float> xsum;    // [M, G] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
   std::vector<float> shift;   // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
-  std::vector<int32_t> hoffset;  // [M, 2 G] -12 x the sum of xi over each half group of 16 (nvfp4's blocks)
+  std::vector<int32_t> hoffset;  // [M, 2 G] -12 x the sum of xi over each half group of 16 (nvfp4's blocks;
+                                 // filled only when asked for: int8 / int4 calls skip the extra sums)
 
-  QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
-      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_), hoffset(2 * M_ * G) {
+  QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_, bool half_sums = false)
+      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_),
+        hoffset(half_sums ? 2 * M_ * G : 0) {
     for (int64_t m = 0; m < M; ++m) {
       double sh = 0.0;
       for (int64_t g = 0; g < G; ++g) {
@@ -78,10 +80,15 @@ struct QuantizedRows {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(ia));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(ib));
         s[m * G + g] = scale;
-        const int isum_a = _mm512_reduce_add_epi32(ia), isum_b = _mm512_reduce_add_epi32(ib);
-        const int isum = isum_a + isum_b;
-        hoffset[2 * (m * G + g)] = -12 * isum_a;
-        hoffset[2 * (m * G + g) + 1] = -12 * isum_b;
+        int isum;
+        if (half_sums) {
+          const int isum_a = _mm512_reduce_add_epi32(ia), isum_b = _mm512_reduce_add_epi32(ib);
+          isum = isum_a + isum_b;
+          hoffset[2 * (m * G + g)] = -12 * isum_a;
+          hoffset[2 * (m * G + g) + 1] = -12 * isum_b;
+        } else {
+          isum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        }
         xsum[m * G + g] = scale * static_cast<float>(isum);
         sh += 128.0 * scale * isum;
       }
@@ -296,9 +303,10 @@ constexpr int kNVFP4Rows = 6;     // activation rows per pass over nvfp4 tiles (
 
 // The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
 // row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
-template <int TileRows, class RowBlock>
+template <int TileRows, bool HalfSums = false, class RowBlock>
 torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
-                        const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N, const RowBlock& row_block) {
+                        const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N,
+                        const RowBlock& row_block) {
   TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 3 && q.is_contiguous() && q.size(2) == tile_bytes &&
                   q.size(0) == (N + 15) / 16, name, ": weight must be contiguous ", dtype_name, " [",
               (N + 15) / 16, ", K/32, ", tile_bytes, "] tiles, got ", q.sizes());
@@ -307,7 +315,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
   TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
                                    scale->numel() == 16 * blocks),
               name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
-  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K);
+  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K, HalfSums);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
@@ -340,7 +348,7 @@ torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
 torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const auto* rp = static_cast<const float*>(row_scale.data_ptr());
-  return int_tiles<kNVFP4Rows>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+  return int_tiles<kNVFP4Rows, true>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
                    });
