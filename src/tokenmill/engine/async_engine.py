@@ -1,6 +1,7 @@
 """AsyncEngine: the engine's step loop on its own thread, asyncio streams for callers.
 
-Ownership: only the engine thread touches the LLMEngine. Callers send commands (add, abort) through a
+Ownership: only the engine thread touches the LLMEngine, and only it runs parallel torch work while the
+engine runs: the thread that built the engine gives its OpenMP team back first (platforms/host_threads.py). Callers send commands (add, abort) through a
 queue and receive RequestOutputs on a per-request asyncio.Queue, delivered with call_soon_threadsafe.
 
 Lifetime rules (the loop never dies of a request):
@@ -26,6 +27,7 @@ from tokenmill.engine.engine_core import EngineStats
 from tokenmill.engine.errors import EngineDeadError, RequestFailedError, RequestUnavailableError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
+from tokenmill.platforms.host_threads import release_thread_pool
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -46,6 +48,7 @@ class AsyncEngine:
         self._on_dead: list[Callable[[EngineDeadError], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        release_thread_pool()        # the builder's OpenMP team would slow every step (host_threads.py)
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 

@@ -131,6 +131,7 @@ class PipeLink:
 
 def _replica_actor():
     import ray
+    from tokenmill.platforms.host_threads import release_thread_pool
 
     @ray.remote(max_restarts=0, max_concurrency=4)
     class RayReplica:
@@ -139,6 +140,7 @@ def _replica_actor():
         def __init__(self, index: int, config, threads: int) -> None:
             self.commands, self.messages = queue.Queue(), queue.Queue()
             self.core = build_replica_core(index, config, threads)
+            release_thread_pool()            # serve_replica steps on another thread (host_threads.py)
             threading.Thread(target=serve_replica, daemon=True,
                              args=(self.core, self.commands.get, lambda: not self.commands.empty(),
                                    self.messages.put)).start()
