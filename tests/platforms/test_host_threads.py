@@ -54,7 +54,7 @@ def test_release_frees_the_calling_threads_team_and_keeps_torch_working():
 @needs_openmp_team
 def test_torchs_openmp_runtime_is_found():
     (torch.ones(1 << 20) * 2.0).sum()
-    assert any("gomp" in os.path.basename(p) or "omp" in os.path.basename(p) for p in loaded_openmp_runtimes())
+    assert loaded_openmp_runtimes(), "torch's OpenMP runtime should be mapped after a parallel region"
 
 
 def test_release_is_harmless_inside_a_thread_without_a_team():
