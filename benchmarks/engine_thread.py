@@ -90,9 +90,7 @@ def run_async(llm: LLM, prompts, params, keep_team: bool, tag: str) -> tuple[flo
     try:
         start = asyncio.run(all_of_them())
     finally:
-        engine._stop.set()                       # stop the loop only: the LLMEngine stays in use
-        engine._commands.put(("wake", None, None))
-        engine._thread.join(10.0)
+        engine.shutdown()                        # the in-process executor has no workers: llm stays usable
     return summarize(start, times)
 
 
