@@ -63,3 +63,31 @@ def test_an_unwritable_cache_only_warns(tiny_model_dir, tmp_path, monkeypatch, c
 def test_an_unknown_policy_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="unknown scheduling policy 'edf'.*fcfs.*slo"):
         LLM(tiny_model_dir, scheduling_policy="edf")
+
+
+def test_the_step_model_sees_the_period_between_step_starts_while_requests_remain(tiny_model_dir, monkeypatch):
+    """A step's observed time runs to the next step's start (the work between steps is part of every
+    TPOT); the last step before the engine idles counts its own time, and an abort that empties the engine
+    leaves no period open to be closed by a much later step."""
+    import time
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)
+    core = llm.engine.core
+    seen: list[float] = []
+    monkeypatch.setattr(core.step_model, "observe", lambda features, seconds: seen.append(seconds))
+    gap_s = 0.2                                        # far above a tiny-model step
+    llm.engine.add_request("a", "a b c", SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    num_steps = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        num_steps += 1
+        time.sleep(gap_s)                              # what a server does between steps, exaggerated
+    assert len(seen) == num_steps == 4                 # one prefill (with the first token), three decodes
+    assert all(s >= gap_s for s in seen[:-1])          # each period holds the gap after its step
+    assert seen[-1] < gap_s                            # the last: its own time, not the idle that follows
+    seen.clear()
+    llm.engine.add_request("b", "a b c", SamplingParams(max_tokens=50, ignore_eos=True, temperature=0))
+    llm.engine.step()
+    llm.engine.abort_request("b")
+    time.sleep(2 * gap_s)
+    llm.generate(["x"], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    assert seen and max(seen) < 2 * gap_s              # the aborted step's period was dropped, not closed late

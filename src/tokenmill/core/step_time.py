@@ -8,7 +8,10 @@
 - context_reads: (query token, cached key) pairs attention reads, sum over every new token of its position + 1
   (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2).
 
-The fit is online: every executed step is an observation, weighted by recency (exponential forgetting), and
+A step's time is its period, what a decoding request's TPOT is made of: from its start to the next step's
+start while requests remain (output processing and streaming included), its own time before the engine
+idles (engine/engine_core.py). The fit is online: every executed step is an observation, weighted by recency
+(exponential forgetting), and
 pulled toward a prior (the start-up calibration's coefficients) so that a few steps of one shape do not
 swing the coefficients of the others. Coefficients are kept >= 0. Times are seconds.
 """

@@ -18,7 +18,7 @@ from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.spec_stats import SpecDecodeStats
-from tokenmill.core.step_time import StepTimeModel, step_features
+from tokenmill.core.step_time import StepFeatures, StepTimeModel, step_features
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
 from tokenmill.sample.rejection import speculation_applies
@@ -80,7 +80,8 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.step_model = StepTimeModel()          # fed by every executed step (seconds per step)
+        self.step_model = StepTimeModel()          # fed by every executed step (seconds per step period)
+        self._open_period: tuple[StepFeatures, float] | None = None   # last step's features, start (perf s)
         self.expert_tokens: list[int] | None = None    # MoE models: summed RunnerOutput.expert_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
@@ -105,13 +106,17 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort(self, request_ids, reason: FinishReason = FinishReason.ABORT, stop_reason=None) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, reason, stop_reason)
+        aborted = self.scheduler.finish_requests(request_ids, reason, stop_reason)
+        if not self.has_unfinished():
+            self._open_period = None                   # no next step follows at once to close it
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[CoreUpdate]:
         t0 = time.perf_counter()
+        self._close_period(t0)
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             self.executor.execute(sched_out)           # still hands over the finished ids
@@ -122,11 +127,27 @@ class EngineCore:
         produced = self.scheduler.update(sched_out, runner_out)
         seconds = time.perf_counter() - t0
         if not runner_out.failed:                      # a bisected step's time describes no normal step
-            self.step_model.observe(step_features(sched_out), seconds)
+            self._open_or_observe(step_features(sched_out), t0, seconds)
         if self.proposer is not None:
             self._propose(sched_out, seconds, produced, runner_out.draft_token_ids)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
+
+    def _open_or_observe(self, features: StepFeatures, start: float, seconds: float) -> None:
+        """The step-time model predicts a step's period, what a decoding request's TPOT is made of: from
+        its start to the next step's start, so the output processing, streaming and command handling
+        between steps count. While requests remain, the next step follows at once and closes this period;
+        otherwise the engine may idle, and the step's own seconds are observed."""
+        if self.has_unfinished():
+            self._open_period = (features, start)
+        else:
+            self.step_model.observe(features, seconds)
+
+    def _close_period(self, now: float) -> None:
+        if self._open_period is not None:
+            features, start = self._open_period
+            self._open_period = None
+            self.step_model.observe(features, now - start)
 
     def _propose(self, sched_out: SchedulerOutput, seconds: float, produced, worker_drafts) -> None:
         """Drafts for every running request whose next step is a decode (speculation_applies), at most k
