@@ -11,9 +11,8 @@
 A step's time is its period, what a decoding request's TPOT is made of: from its start to the next step's
 start while requests remain (output processing and streaming included), its own time before the engine
 idles (engine/engine_core.py). The fit is online: every executed step is an observation, weighted by recency
-(exponential forgetting), and
-pulled toward a prior (the start-up calibration's coefficients) so that a few steps of one shape do not
-swing the coefficients of the others. Coefficients are kept >= 0. Times are seconds.
+(exponential forgetting), and pulled toward a prior (the start-up calibration's coefficients) so that a few
+steps of one shape do not swing the coefficients of the others. Coefficients are kept >= 0. Times are seconds.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """AsyncEngine: the engine's step loop on its own thread, asyncio streams for callers.
 
 Ownership: only the engine thread touches the LLMEngine, and only it runs parallel torch work while the
-engine runs: the thread that built the engine gives its OpenMP team back first (platforms/host_threads.py). Callers send commands (add, abort) through a
-queue and receive RequestOutputs on a per-request asyncio.Queue, delivered with call_soon_threadsafe.
+engine runs: the thread that built the engine gives its OpenMP team back first (platforms/host_threads.py).
+Callers send commands (add, abort) through a queue and receive RequestOutputs on a per-request
+asyncio.Queue, delivered with call_soon_threadsafe.
 
 Lifetime rules (the loop never dies of a request):
 - a caller may give up at any moment (cancelled while its add is queued, mid-prefill, mid-stream, after
