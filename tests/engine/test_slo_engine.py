@@ -91,3 +91,26 @@ def test_the_step_model_sees_the_period_between_step_starts_while_requests_remai
     time.sleep(2 * gap_s)
     llm.generate(["x"], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     assert seen and max(seen) < 2 * gap_s              # the aborted step's period was dropped, not closed late
+
+
+def test_adaptive_speculation_measures_the_same_periods_as_the_step_model(tiny_model_dir, monkeypatch):
+    """The adaptive draft length's measured rates and its predictions (from the step-time model) rest on one
+    notion of a step's seconds: the period to the next step's start."""
+    import time
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    core = llm.engine.core
+    assert core.draft_length is not None
+    model_seen: list[float] = []
+    spec_seen: list[float] = []
+    monkeypatch.setattr(core.step_model, "observe", lambda features, seconds: model_seen.append(seconds))
+    monkeypatch.setattr(core.draft_length, "observe_step",
+                        lambda k, decoding, seconds, tokens: spec_seen.append(seconds))
+    gap_s = 0.2
+    llm.engine.add_request("a", "a b a b a b a b", SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        time.sleep(gap_s)
+    assert spec_seen and len(spec_seen) < len(model_seen)        # the prefill step is no sample for k
+    assert set(spec_seen) <= set(model_seen)                     # the same seconds, period by period
+    assert all(s >= gap_s for s in spec_seen[:-1]) and spec_seen[-1] < gap_s

@@ -58,6 +58,23 @@ class EngineStats:
     block_size: int = 0                          # tokens per KV block
 
 
+@dataclass(frozen=True)
+class SpecStepSample:
+    """One all-decode step's outcome for the adaptive draft length: it ran with draft length k for
+    `decoding` requests and produced `tokens`; its seconds are its period, known when the next step starts."""
+    k: int
+    decoding: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class OpenPeriod:
+    """The latest step, whose period (its start to the next step's start) is still running."""
+    features: StepFeatures
+    start: float                      # perf_counter seconds
+    speculation: SpecStepSample | None
+
+
 def add_counts(total: list[int] | None, more: list[int] | None) -> list[int] | None:
     """Element-wise sum of two count lists, either of which may be None (nothing counted)."""
     if total is None or more is None:
@@ -81,7 +98,7 @@ class EngineCore:
             raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.step_model = StepTimeModel()          # fed by every executed step (seconds per step period)
-        self._open_period: tuple[StepFeatures, float] | None = None   # last step's features, start (perf s)
+        self._open_period: OpenPeriod | None = None
         self.expert_tokens: list[int] | None = None    # MoE models: summed RunnerOutput.expert_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
                                    self.step_model)
@@ -126,39 +143,47 @@ class EngineCore:
             self.expert_tokens = add_counts(self.expert_tokens, runner_out.expert_tokens)
         produced = self.scheduler.update(sched_out, runner_out)
         seconds = time.perf_counter() - t0
-        if not runner_out.failed:                      # a bisected step's time describes no normal step
-            self._open_or_observe(step_features(sched_out), t0, seconds)
+        sample = None
         if self.proposer is not None:
-            self._propose(sched_out, seconds, produced, runner_out.draft_token_ids)
+            sample = self._propose(sched_out, produced, runner_out.draft_token_ids)
+        if not runner_out.failed:                      # a bisected step's time describes no normal step
+            self._open_or_observe(OpenPeriod(step_features(sched_out), t0, sample), seconds)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
 
-    def _open_or_observe(self, features: StepFeatures, start: float, seconds: float) -> None:
-        """The step-time model predicts a step's period, what a decoding request's TPOT is made of: from
-        its start to the next step's start, so the output processing, streaming and command handling
-        between steps count. While requests remain, the next step follows at once and closes this period;
-        otherwise the engine may idle, and the step's own seconds are observed."""
+    def _open_or_observe(self, period: OpenPeriod, seconds: float) -> None:
+        """The step-time model and the adaptive draft length see a step's period, what a decoding request's
+        TPOT is made of: from its start to the next step's start, so the output processing, streaming and
+        command handling between steps count. While requests remain, the next step follows at once and
+        closes this period; otherwise the engine may idle, and the step's own seconds are observed."""
         if self.has_unfinished():
-            self._open_period = (features, start)
+            self._open_period = period
         else:
-            self.step_model.observe(features, seconds)
+            self._observe_period(period, seconds)
 
     def _close_period(self, now: float) -> None:
         if self._open_period is not None:
-            features, start = self._open_period
-            self._open_period = None
-            self.step_model.observe(features, now - start)
+            period, self._open_period = self._open_period, None
+            self._observe_period(period, now - period.start)
 
-    def _propose(self, sched_out: SchedulerOutput, seconds: float, produced, worker_drafts) -> None:
+    def _observe_period(self, period: OpenPeriod, seconds: float) -> None:
+        self.step_model.observe(period.features, seconds)
+        s = period.speculation
+        if s is not None and self.draft_length is not None:
+            self.draft_length.observe_step(s.k, s.decoding, seconds, s.tokens)
+
+    def _propose(self, sched_out: SchedulerOutput, produced, worker_drafts) -> SpecStepSample | None:
         """Drafts for every running request whose next step is a decode (speculation_applies), at most k
         and no more than its max_tokens and the context leave room for. Adaptive: k for the next step from
-        this one's outcome (spec/adaptive.py). A worker-side proposer's drafts came with the step
+        the acceptance so far and the periods of the steps before this one (spec/adaptive.py); returns this
+        step's sample, observed when its period closes. A worker-side proposer's drafts came with the step
         (`worker_drafts`); it is told k through the scheduler's lookahead."""
         k = self.config.speculative.num_speculative_tokens
+        sample = None
         for rid in sched_out.finished_request_ids:
             self.proposer.drop(rid)
         if self.draft_length is not None:
-            self._observe_speculation(sched_out, seconds, produced)
+            sample = self._observe_speculation(sched_out, produced)
             decoding = [r.num_tokens - 1 for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
             k = self.draft_length.choose(self.step_model, decoding)
         for request in self.scheduler.running:
@@ -173,19 +198,20 @@ class EngineCore:
                 request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
         if self.proposer.on_worker:
             self.scheduler.num_lookahead_tokens = k
+        return sample
 
-    def _observe_speculation(self, sched_out: SchedulerOutput, seconds: float, produced) -> None:
-        """Feed the adaptive draft length: per request the accepted drafts; per step, when every request in
-        it decoded (a step with prefill chunks says nothing about k), its time and tokens."""
-        dl = self.draft_length
+    def _observe_speculation(self, sched_out: SchedulerOutput, produced) -> SpecStepSample | None:
+        """Feed the adaptive draft length per request the accepted drafts; return the step's sample when
+        every request in it decoded (a step with prefill chunks says nothing about k)."""
+        self._observe_requests(sched_out)
         decoding = 0
         for sr in sched_out.scheduled:
             if sr.num_new_tokens - sr.num_draft_tokens != 1 or sr.start_position + 1 < len(sr.prompt_token_ids):
-                return self._observe_requests(sched_out)
+                return None
             decoding += 1
-        self._observe_requests(sched_out)
-        if decoding:
-            dl.observe_step(dl.last_k, decoding, seconds, sum(len(ids) for _, ids in produced))
+        if not decoding:
+            return None
+        return SpecStepSample(self.draft_length.last_k, decoding, sum(len(ids) for _, ids in produced))
 
     def _observe_requests(self, sched_out: SchedulerOutput) -> None:
         for sr in sched_out.scheduled:

