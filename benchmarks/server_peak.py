@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENMILL = [str(Path(sys.executable).with_name("tokenmill"))]     # the console script beside this Python
+TOKENMILL = [sys.executable, "-m", "tokenmill.cli"]     # the CLI of the tokenmill this Python imports
 
 
 def parse_args() -> argparse.Namespace:
@@ -210,7 +210,8 @@ def main() -> None:
     # The Server/Offline ratio is taken against tokenmill's best Offline (an SLO server's Offline is held to
     # its TPOT target; the ratio must not use an Offline lowered to flatter it); a peer against its own.
     best = max((m["offline_tps"] or 0 for n, m in med.items() if n.startswith("tokenmill")), default=0) or None
-    print(f"best tokenmill Offline: {fmt(best)} tok/s\n")
+    if best:
+        print(f"best tokenmill Offline: {fmt(best)} tok/s\n")
     print("| system | Offline tok/s | peak QPS | Server tok/s | Server/best Offline | p99 TTFT ms | p99 TPOT ms | "
           "bound tok/s | Server/bound | " + " | ".join(f"peak vs {n}" for n in names) + " |")
     print("|" + "---|" * (9 + len(names)))
