@@ -25,6 +25,7 @@ class Arrival:
     output_len: int
     ttft_target_ms: float | None = 2000.0
     tpot_target_ms: float | None = 50.0
+    max_tokens: int | None = None     # None: exactly output_len tokens (ignore_eos); else EOS after output_len
 
 
 @dataclass
@@ -55,6 +56,14 @@ def poisson_arrivals(qps: float, n: int, prompt_len: int, output_len: int, seed:
     return out
 
 
+EOS = 2
+
+
+def _token(r: Request, output_len: int) -> int:
+    """The fake model's next token: EOS as r's output_len-th token, 5 before."""
+    return EOS if r.num_output_tokens + 1 >= output_len else 5
+
+
 def true_step_s(features, costs=TRUE_COSTS) -> float:
     return StepTimeModel(prior=costs).predict(features)
 
@@ -68,15 +77,20 @@ def simulate(arrivals: list[Arrival], policy: str, max_num_seqs: int = 256, budg
                   KVCacheManager(num_blocks, block_size, False), make_policy(policy), model,
                   clock=lambda: clock[0])
     res, pending = SimResult(), sorted(arrivals, key=lambda a: a.time_s)
-    first, last, reqs = {}, {}, {}
+    first, last, reqs, lengths = {}, {}, {}, {}
     i = 0
     for _ in range(max_steps):
         while i < len(pending) and pending[i].time_s <= clock[0]:
             a = pending[i]
             rid = f"r{i}"
-            params = SamplingParams(max_tokens=a.output_len, min_tokens=a.output_len, ignore_eos=True,
-                                    ttft_target_ms=a.ttft_target_ms, tpot_target_ms=a.tpot_target_ms)
-            reqs[rid] = Request(rid, [7] * a.prompt_len, params, arrival_time=a.time_s)
+            if a.max_tokens is None:
+                params = SamplingParams(max_tokens=a.output_len, min_tokens=a.output_len, ignore_eos=True,
+                                        ttft_target_ms=a.ttft_target_ms, tpot_target_ms=a.tpot_target_ms)
+            else:
+                params = SamplingParams(max_tokens=a.max_tokens, ttft_target_ms=a.ttft_target_ms,
+                                        tpot_target_ms=a.tpot_target_ms)
+            reqs[rid] = Request(rid, [7] * a.prompt_len, params, eos_token_ids=(EOS,), arrival_time=a.time_s)
+            lengths[rid] = a.output_len
             res.targets[rid] = (a.ttft_target_ms, a.tpot_target_ms)
             s.add_request(reqs[rid])
             i += 1
@@ -90,7 +104,8 @@ def simulate(arrivals: list[Arrival], policy: str, max_num_seqs: int = 256, budg
         clock[0] += dt
         res.step_times_s.append(dt)
         model.observe(step_features(out), dt)
-        s.update(out, RunnerOutput({sr.request_id: [5] for sr in out.scheduled if sr.sample}))
+        s.update(out, RunnerOutput({sr.request_id: [_token(reqs[sr.request_id], lengths[sr.request_id])]
+                                    for sr in out.scheduled if sr.sample}))
         for sr in out.scheduled:
             r = reqs[sr.request_id]
             if sr.sample:

@@ -7,8 +7,9 @@ import pytest
 from .slo_sim import TRUE_COSTS, Arrival, poisson_arrivals, simulate, true_step_s
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
+from tokenmill.core.output_length import OutputLengths
 from tokenmill.core.policy import make_policy
-from tokenmill.core.request import Request
+from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_time import StepFeatures, StepTimeModel, step_features
 from tokenmill.sampling_params import SamplingParams
@@ -142,3 +143,107 @@ def test_a_wrong_prior_is_corrected_online(prior_scale):
         assert res.model.predict(shape) == pytest.approx(true_step_s(shape), rel=0.1), shape
     if prior_scale < 1:                      # an optimistic prior costs a few slow steps, not the run
         assert res.p99(res.tpot_s.values()) <= 0.050
+
+
+# ---- remaining output tokens: learned from requests that stop by themselves --------------------------------
+def _mixed_eos_arrivals(qps: float, n: int, seed: int) -> list[Arrival]:
+    """Summarization-like: 180-400 prompt tokens; 30% stop (EOS) after 10-16 tokens, the rest after 60-128;
+    max_tokens 128 for all, so max_tokens says nothing about who ends soon."""
+    import random
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(qps)
+        length = rng.randint(10, 16) if rng.random() < 0.3 else rng.randint(60, 128)
+        out.append(Arrival(t, rng.randint(180, 400), length, 2000.0, 100.0, max_tokens=128))
+    return out
+
+
+def test_with_eos_ended_outputs_slo_holds_tpot_where_fcfs_and_the_max_tokens_horizon_do_not(monkeypatch):
+    arrivals = _mixed_eos_arrivals(1.0, 150, seed=0)
+    slo, fcfs = simulate(arrivals, "slo"), simulate(arrivals, "fcfs")
+    assert slo.num_output == {f"r{i}": a.output_len for i, a in enumerate(arrivals)}   # each stopped at its EOS
+    assert slo.p99(slo.tpot_s.values()) <= 0.100 and slo.p99(slo.ttft_s.values()) <= 2.0
+    assert fcfs.p99(fcfs.tpot_s.values()) > 0.100
+    monkeypatch.setattr(OutputLengths, "survival", lambda self: None)   # remaining = max_tokens - produced
+    ceiling = simulate(arrivals, "slo")
+    assert ceiling.p99(ceiling.tpot_s.values()) > 0.100
+
+
+def _eos_request(rid: str, prompt: int = 8, max_tokens: int = 256, **kw) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ttft_target_ms=kw.pop("ttft", 1000.0),
+                            tpot_target_ms=kw.pop("tpot", 50.0), **kw)
+    return Request(rid, [3] * prompt, params, eos_token_ids=(2,), arrival_time=0.0)
+
+
+def _step(s: Scheduler, tokens: dict[str, int] | None = None, failed=()):
+    from tokenmill.core.messages import RunnerOutput
+    out = s.schedule()
+    s.update(out, RunnerOutput({sr.request_id: [(tokens or {}).get(sr.request_id, 5)] for sr in out.scheduled
+                                if sr.sample}, failed=set(failed)))
+    return out
+
+
+def test_the_policy_learns_from_stops_and_censored_ends_only_of_requests_that_can_stop():
+    s = _scheduler()
+    s.add_request(_eos_request("eos"))
+    s.add_request(_eos_request("cut", max_tokens=2))
+    s.add_request(Request("exact", [3] * 8, _params(2), eos_token_ids=(2,), arrival_time=0.0))   # ignore_eos
+    s.add_request(_eos_request("failed"))
+    _step(s)
+    _step(s, {"eos": 2}, failed={"failed"})
+    assert sorted(s.policy.lengths.records) == [(2, False), (2, True)]   # cut at max_tokens; stopped by EOS
+    assert s.num_unfinished == 0
+
+
+def test_a_request_that_will_likely_stop_soon_tightens_the_step_limit():
+    s = _scheduler()
+    s.add_request(_eos_request("r"))
+    _step(s)                                        # its first token, at t = 0 (no banked slack)
+    policy, model = s.policy, s.step_model
+    unknown = policy.step_limit_s(s.running, 0.0, model)
+    for _ in range(20):
+        policy.request_finished(_finished(12))
+    h = policy.remaining_low(s.running[0], policy.config.horizon_steps)
+    assert h == 11                                  # every past request stopped at 12 tokens; it has 1
+    steady = policy.steady_step_s(s.running, model)
+    aim = policy.config.tpot_margin * 0.050
+    assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(aim * h - steady * (h - 1))
+    assert policy.step_limit_s(s.running, 0.0, model) < unknown     # one long step spreads over fewer steps
+
+
+def _finished(n: int) -> Request:
+    r = _eos_request("done")
+    r.all_token_ids += [5] * (n - 1) + [2]
+    r.finish_reason = FinishReason.STOP
+    return r
+
+
+def test_prefill_a_steady_batch_cannot_carry_is_deferred_not_let_through():
+    """Long prompts, short outputs: the steady step (its share of prefill included) is past the TPOT aim,
+    yet decode-only steps keep a running request on target, so the limit is a decode-only step: prefill
+    gets its minimum chunk, the running request stays on target."""
+    clock = [0.0]
+    s = _scheduler(clock=lambda: clock[0])
+    s.add_request(_eos_request("r", prompt=1000, max_tokens=8))
+    _step(s)                                        # its whole prompt and first token, at t = 0
+    assert s.running[0].num_output_tokens == 1
+    policy, model = s.policy, s.step_model
+    assert policy.steady_step_s(s.running, model) > policy.config.tpot_margin * 0.050
+    decode_only = model.predict(StepFeatures(1, 0, s.running[0].num_tokens))
+    assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(decode_only)
+    s.add_request(_eos_request("new", prompt=600))
+    chunk = {sr.request_id: sr.num_new_tokens for sr in s.schedule().scheduled}
+    assert chunk == {"r": 1, "new": policy.config.min_prefill_chunk}
+
+
+def test_a_prefill_near_its_ttft_deadline_takes_its_whole_chunk_past_the_limit():
+    clock = [0.0]
+    s = _scheduler(clock=lambda: clock[0])
+    s.add_request(_eos_request("r", prompt=1000, max_tokens=8, ttft=10_000.0))
+    clock[0] = 0.59
+    _step(s)                                        # r's first token; its steps are held to decode-only ones
+    s.add_request(_eos_request("new", prompt=600, ttft=1000.0))     # arrived at t = 0
+    clock[0] = 0.6                                  # new is past half its TTFT target (admitted), not 3/4
+    assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 16}
+    clock[0] = 0.8                                  # past 3/4: its TTFT is at stake, the prefill goes ahead
+    assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 600 - 16}

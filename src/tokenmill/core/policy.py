@@ -31,12 +31,13 @@ class StepBudget:
     min_prefill_chunk: int = 0
     prefill_granted: bool = False
 
-    def grant(self, start_position: int, wanted: int) -> int:
-        """How many of `wanted` new tokens from start_position this step computes; charges them."""
+    def grant(self, start_position: int, wanted: int, timeless: bool = False) -> int:
+        """How many of `wanted` new tokens from start_position this step computes; charges them.
+        timeless: the chunk is not held to the time left (only to the tokens); it is still charged."""
         n = min(wanted, self.tokens)
         if n <= 0:
             return 0
-        if self.model is not None and math.isfinite(self.seconds) and n > 1:
+        if self.model is not None and math.isfinite(self.seconds) and n > 1 and not timeless:
             fits = self.model.max_chunk(start_position, n, self.seconds)
             if fits < n and not self.prefill_granted:
                 fits = max(fits, min(n, self.min_prefill_chunk))
@@ -106,9 +107,16 @@ class SchedulingPolicy:
         """Whether `request` (the head of the waiting queue) may start now; False stops admission this step."""
         return True
 
+    def prefill_is_urgent(self, request: Request, now: float) -> bool:
+        """Whether `request`'s next prefill chunk may exceed the step's time limit (its TTFT is at stake)."""
+        return False
+
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out (lowest priority)."""
         raise NotImplementedError
+
+    def request_finished(self, request: Request) -> None:
+        """`request` left the scheduler (request.finish_reason says why); its blocks are already freed."""
 
 
 class FCFSPolicy(SchedulingPolicy):

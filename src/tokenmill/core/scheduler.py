@@ -79,6 +79,7 @@ class Scheduler:
         self.kv.free(request, drop_cached)
         self.requests.pop(request.request_id, None)
         self.finished_since_last_step.append(request.request_id)
+        self.policy.request_finished(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -90,7 +91,7 @@ class Scheduler:
         budget = self.policy.begin_step(self, now)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        self._schedule_running(budget, scheduled, preempted)
+        self._schedule_running(budget, scheduled, preempted, now)
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
@@ -100,16 +101,17 @@ class Scheduler:
         self.finished_since_last_step, self.trimmed_since_last_step = [], []
         return out
 
-    def _chunk(self, request: Request, start: int, budget: StepBudget) -> int:
+    def _chunk(self, request: Request, start: int, budget: StepBudget, now: float) -> int:
         n = request.num_tokens - start
         threshold = self.config.long_prefill_token_threshold
-        return budget.grant(start, min(n, threshold) if threshold > 0 else n)
+        timeless = n > 1 and self.policy.prefill_is_urgent(request, now)
+        return budget.grant(start, min(n, threshold) if threshold > 0 else n, timeless)
 
-    def _schedule_running(self, budget: StepBudget, scheduled: list, preempted: list) -> None:
+    def _schedule_running(self, budget: StepBudget, scheduled: list, preempted: list, now: float) -> None:
         pending = self.policy.running_order(self.running)      # not yet scheduled this step
         while pending and budget.tokens > 0:
             request = pending[0]
-            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget, now)
             if num_new == 0:                                   # no time left for its chunk this step
                 pending.pop(0)
                 continue
@@ -142,7 +144,7 @@ class Scheduler:
             if not self.policy.may_admit(request, self, now):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = self._chunk(request, num_hit_tokens, budget)
+            num_new = self._chunk(request, num_hit_tokens, budget, now)
             if num_new == 0 or self._allocate(request, num_hit_tokens, num_new, hits) is None:
                 break
             self.waiting.popleft()

@@ -6,9 +6,13 @@ decode. A TPOT is an average over a hundred steps or so: it is set by the batch 
 life, far more than by any one step. So, per step:
 - time limit: each running request with a TPOT target allows the step that keeps its projected TPOT (time so
   far, this step, then steady steps over a horizon) within margin * target; the tightest sets the limit
-  (requests that even steady steps cannot keep on target do not shrink it: they complete, counted);
+  (requests that even decode-only steps cannot keep on target do not shrink it: they complete, counted);
+- remaining tokens: max_tokens is only a ceiling; core/output_length.py estimates from finished requests how
+  many more a running request produces. The time limit takes a low quantile of it (a request that stops
+  soon has few steps left to average a long step out), the forecasts its mean;
 - running decodes first (one token each, always), then prefill chunks sized into the time left (the first
-  chunk gets min_prefill_chunk tokens regardless, so prefills always progress);
+  chunk gets min_prefill_chunk tokens regardless, so prefills always progress; a request past
+  prefill_urgent_fraction of its TTFT allowance gets its whole chunk: TPOT first, until a TTFT miss is near);
 - waiting requests by least slack against their TTFT deadline (arrival + target, or + default_ttft_s for
   requests without one: the deadline ages them, so nothing starves);
 - admission by forecast (core/batch_forecast.py): the batch over the coming steps, running requests leaving
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
+from tokenmill.core.output_length import OutputLengths
 from tokenmill.core.policy import FCFSPolicy, StepBudget, register_policy
-from tokenmill.core.request import Request
+from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.step_time import StepFeatures, chunk_features
 
 if TYPE_CHECKING:
@@ -41,9 +46,12 @@ class SLOPolicyConfig:
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
     urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT target is admitted
+    prefill_urgent_fraction: float = 0.75   # ... past this fraction, its prefill ignores the time limit
     rate_window_s: float = 60.0       # arrival rate over this window (the forecast's future arrivals)
     rate_min_span_s: float = 10.0     # ... and over at least this span (a burst is not a rate)
     forecast_max_steps: int = 512     # a request's remaining tokens counted at most this far ahead
+    horizon_quantile: float = 0.1     # the time limit's horizon: this quantile of a request's remaining tokens
+    length_window: int = 512          # finished requests the output-length estimate learns from
 
 
 def _tpot_s(r: Request) -> float | None:
@@ -51,9 +59,10 @@ def _tpot_s(r: Request) -> float | None:
     return None if t is None else t / 1e3
 
 
-def _remaining(r: Request, cap: int) -> int:
-    """Output tokens r may still produce (at least 1), counted at most `cap` ahead."""
-    return min(max(r.max_tokens - r.num_output_tokens, 1), cap)
+def _stops_by_itself(r: Request) -> bool:
+    """r may end before max_tokens: by EOS, a stop token id or a stop string."""
+    p = r.sampling_params
+    return bool(p.stop or p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
 
 
 def _deadline(r: Request, cfg: SLOPolicyConfig) -> float:
@@ -71,6 +80,31 @@ class SLOPolicy(FCFSPolicy):
     def __init__(self, config: SLOPolicyConfig | None = None) -> None:
         self.config = config or SLOPolicyConfig()
         self.arrivals = ArrivalRate(self.config.rate_window_s, min_span_s=self.config.rate_min_span_s)
+        self.lengths = OutputLengths(self.config.length_window)
+
+    # ---- remaining output tokens ------------------------------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        if _stops_by_itself(request) and request.finish_reason != FinishReason.ERROR:
+            self.lengths.record(request.num_output_tokens, request.finish_reason == FinishReason.STOP)
+
+    def _floor(self, r: Request) -> int:
+        """Tokens r surely still produces: min_tokens masks its stops until then; at least 1."""
+        return max(r.sampling_params.min_tokens - r.num_output_tokens, 1)
+
+    def remaining_low(self, r: Request, cap: int) -> int:
+        """A low estimate (horizon_quantile) of the output tokens r still produces, at most `cap`."""
+        estimate = max(r.max_tokens - r.num_output_tokens, 1)
+        if _stops_by_itself(r):
+            estimate = self.lengths.remaining_quantile(r.num_output_tokens, r.max_tokens,
+                                                       self.config.horizon_quantile)
+        return min(max(estimate, self._floor(r)), cap)
+
+    def remaining_mean(self, r: Request, cap: int) -> int:
+        """The expected output tokens r still produces (rounded, at least 1), at most `cap`."""
+        estimate = max(r.max_tokens - r.num_output_tokens, 1)
+        if _stops_by_itself(r):
+            estimate = round(self.lengths.expected_remaining(r.num_output_tokens, r.max_tokens))
+        return min(max(estimate, self._floor(r)), cap)
 
     # ---- the step's budget --------------------------------------------------------------------------
     def step_limit_s(self, running: list[Request], now: float, model) -> float:
@@ -78,21 +112,24 @@ class SLOPolicy(FCFSPolicy):
         a target and a first token allows the step that keeps its projected TPOT within margin * target,
         the projection being its time so far, this step, then steady steps (steady_step_s of the running
         batch) for the rest of a horizon: aim * (k + h) - elapsed - steady * (h - 1), for k tokens after its
-        first so far and h = min(remaining tokens, horizon_steps). The tightest request sets the limit, among
-        those that steady steps can still keep on target."""
+        first so far and h = min(remaining tokens (low estimate), horizon_steps), and never less than a
+        decode-only step (decodes always run; prefill then gets its minimum chunk). The tightest request
+        sets the limit, among those that decode-only steps could still keep on target: a steady step
+        carries the batch's share of prefill, which this limit itself defers, so a request past the steady
+        bar may still be kept; one past even the decode-only bar completes, counted, without slowing all."""
         c, limit = self.config, math.inf
-        steady = None
+        steady = decode = None
         for r in running:
             target = _tpot_s(r)
             if target is None or r.first_token_time is None:
                 continue                      # no target, or still before its first token
             if steady is None:
                 steady = self.steady_step_s(running, model)
-            h = _remaining(r, c.horizon_steps)
-            allowed = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time) \
-                - steady * (h - 1)
-            if allowed >= steady:             # below: not even steady steps keep it on target; it cannot be
-                limit = min(limit, allowed)   # helped without slowing everyone, and completes, counted
+                decode = model.predict(StepFeatures(len(running), 0, sum(q.num_tokens for q in running)))
+            h = self.remaining_low(r, c.horizon_steps)
+            allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
+            if allowance >= decode * h:       # decode-only steps would keep it on target
+                limit = min(limit, max(allowance - steady * (h - 1), decode))
         return limit
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
@@ -143,7 +180,7 @@ class SLOPolicy(FCFSPolicy):
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py)."""
         steady = self.steady_step_s(batch, model)
         intercept = model.coefficients["intercept"]
-        remaining = tuple(_remaining(r, self.config.forecast_max_steps) for r in batch)
+        remaining = tuple(self.remaining_mean(r, self.config.forecast_max_steps) for r in batch)
         return BatchForecast(remaining, self.arrivals.rate(now) * steady, sum(remaining) / len(remaining),
                              intercept, max(steady - intercept, 0.0) / len(batch))
 
@@ -160,23 +197,31 @@ class SLOPolicy(FCFSPolicy):
     def projected_tpot_s(self, r: Request, forecast: BatchForecast, now: float) -> float:
         """r's TPOT at its end by the forecast: its time since its first token plus its remaining steps'
         predicted time, over its tokens after the first (before its first token: the mean step ahead)."""
-        remaining = _remaining(r, self.config.forecast_max_steps)
+        remaining = self.remaining_mean(r, self.config.forecast_max_steps)
         if r.first_token_time is None:
             return forecast.mean_step_s(remaining)
         return ((now - r.first_token_time) + forecast.time_s(remaining)) / (r.num_output_tokens - 1 + remaining)
+
+    def prefill_is_urgent(self, request: Request, now: float) -> bool:
+        """Before its first token and past prefill_urgent_fraction of its TTFT allowance (deadline - arrival):
+        its prefill takes the step's time beyond the limit, or its TTFT miss is certain."""
+        if request.first_token_time is not None:
+            return False
+        allowance = _deadline(request, self.config) - request.arrival_time
+        return now - request.arrival_time > self.config.prefill_urgent_fraction * allowance
 
     def _urgent(self, r: Request, now: float) -> bool:
         """r has used more than urgent_fraction of its TTFT allowance waiting."""
         t = r.sampling_params.ttft_target_ms
         return t is not None and now - r.arrival_time > self.config.urgent_fraction * t / 1e3
 
-    @staticmethod
-    def steady_step_s(batch: list[Request], model) -> float:
+    def steady_step_s(self, batch: list[Request], model) -> float:
         """Predicted step time once `batch` decodes together while carrying its share of prefill: as many
-        prompt tokens per step as the batch's prompt-to-output ratio says keep arrivals and departures even."""
+        prompt tokens per step as the batch's prompt-to-output ratio says keep arrivals and departures even
+        (output: each request's tokens so far plus its expected remaining ones)."""
         rows = len(batch)
         prompt = sum(r.num_prompt_tokens for r in batch)
-        output = sum(max(r.max_tokens, 1) for r in batch)
+        output = sum(r.num_output_tokens + self.remaining_mean(r, r.max_tokens) for r in batch)
         prefill_per_step = rows * prompt / output
         context = sum(r.num_tokens for r in batch)
         mean_prompt = prompt / rows
