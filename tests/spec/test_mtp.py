@@ -136,3 +136,25 @@ def test_mtp_layers_of_an_fp8_checkpoint_are_dequantized(mtp_model, tmp_path):
         got = llm.engine.core.runner.drafter.layer.eh_proj(x)
     torch.testing.assert_close(got, x @ want.T, rtol=1e-5, atol=1e-5)
     assert _tokens(llm) == _tokens(_llm(path, None))
+
+
+def test_rows_held_while_speculation_is_off_leave_the_mtp_cache_complete(mtp_model, monkeypatch):
+    """k = 0 for nine steps (as the adaptive draft length chooses when speculation loses): the layer does not
+    run, its rows are held; when k is back, they run first, and the drafts are what the layer over the whole
+    sequence at once proposes."""
+    llm = _llm(mtp_model, {**MTP, "adaptive": True})
+    schedule = iter([0] * 9 + [3] * 100)                  # k for step 2, 3, ... (step 1 drafts with k = 3)
+    monkeypatch.setattr(llm.engine.core.draft_length, "choose", lambda model, positions: next(schedule))
+    runner = llm.engine.core.runner
+    steps, runs = [], []
+    execute, predict = runner.execute, runner.drafter.layer.predict
+    runner.execute = lambda so: steps.append((so, execute(so))) or steps[-1][1]
+    runner.drafter.layer.predict = lambda *a: runs.append(len(steps) + 1) or predict(*a)   # the step running
+    prompt = PROMPTS[1]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == _tokens(_llm(mtp_model, None), [prompt], SamplingParams(
+        temperature=0.0, max_tokens=14, ignore_eos=True))[0]
+    assert not [s for s in runs if 2 <= s <= 10]           # steps 2..10: no layer run, rows held
+    sampled = [t for _, ro in steps[:11] for t in ro.sampled_token_ids[out.request_id]]
+    drafts = steps[10][1].draft_token_ids[out.request_id]  # step 11: held rows, then this step's, then drafts
+    assert drafts == _reference_drafts(llm, prompt + sampled[:-1], sampled[-1], 3)

@@ -46,6 +46,7 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        self.forget(step.sched_out)
         ids, positions, requests, tails = [], [], [], []
         for sr in step.sched_out.scheduled:
             sampled = step.sampled.get(sr.request_id)
@@ -53,16 +54,20 @@ class DraftModelDrafter(Drafter):
             # the token sampled now sits one position past the step's slots: where the block table has no
             # lookahead slot for it, it is left out (the next step computes it as its own token anyway)
             reachable = feed[:max(0, len(sr.block_ids) * step.block_size - first)]
+            drafts_now = bool(len(reachable) == len(feed) and sampled and step.k and
+                              speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)))
+            if reachable and self.num_layers is None:     # a cache of its own: rows may wait (spec/drafter.py)
+                taken = self.take_rows(sr.request_id, first, reachable, None, drafts_now)
+                first, reachable = taken[:2] if taken is not None else (first, [])
             if not reachable:
                 continue
             ids.extend(reachable)
             positions.extend(range(first, first + len(reachable)))
             requests.append((sr.block_ids, first, len(reachable)))
-            if len(reachable) == len(feed) and sampled and step.k and \
-                    speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)):
-                tails.append((sr, len(ids) - 1, first + len(feed) - 1))
+            if drafts_now:
+                tails.append((sr, len(ids) - 1, first + len(reachable) - 1))
         if not tails:
-            if ids and self.num_layers is None:       # still fill the draft model's cache
+            if ids and self.num_layers is None:       # held rows that reached upkeep_chunk: fill its cache
                 self._logits(step, ids, positions, requests, [len(ids) - 1], skip_logits=True)
             return {}
         tokens = self._logits(step, ids, positions, requests, [row for _, row, _ in tails])

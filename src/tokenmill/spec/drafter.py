@@ -8,9 +8,13 @@ Life cycle, driven by the model runner:
                                                         # with the target's (one pool, one block table)
     drafter.propose(step)                               # after the target's tokens are known
 
-Every step, whatever k, the drafter feeds its layers the step's verified positions so its cache stays
-complete; drafts come only for requests that sample, at most step.k each, and only for positions the block
-table reaches (the scheduler's lookahead slots)."""
+Every verified position reaches the drafter's layers, so its cache stays complete, but not necessarily in
+the step that verified it: a request that drafts nothing this step (k = 0: speculation switched off by the
+adaptive draft length) has its rows held (`take_rows`) until it drafts again or `upkeep_chunk` of them
+wait, then they run as one chunk. On a CPU a layer's run on one row costs its per-op overheads, not its
+arithmetic, so keeping the cache complete every step would cost k = 0 a tenth of a batch-1 step.
+Drafts come only for requests that sample, at most step.k each, and only for positions the block table
+reaches (the scheduler's lookahead slots)."""
 from __future__ import annotations
 
 import importlib
@@ -32,11 +36,43 @@ class DraftStep:
     block_size: int
 
 
+@dataclass
+class PendingRows:
+    """A request's verified rows its drafter has not run yet: tokens at positions start, start + 1, ..."""
+    start: int
+    ids: list[int]
+    hidden: torch.Tensor | None         # the target's hidden rows for them [len(ids), H] (MTP), or None
+
+
 class Drafter:
     name = "base"
+    upkeep_chunk = 32                   # a request's held rows run once this many wait (bounds their memory)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.pending: dict[str, PendingRows] = {}
+
+    def forget(self, sched_out: SchedulerOutput) -> None:
+        """Drop the held rows of requests that finished or were preempted (their blocks are gone)."""
+        for rid in (*sched_out.finished_request_ids, *sched_out.preempted_request_ids):
+            self.pending.pop(rid, None)
+
+    def take_rows(self, request_id: str, start: int, ids: list[int], hidden: torch.Tensor | None,
+                  drafts_now: bool) -> tuple[int, list[int], torch.Tensor | None] | None:
+        """The rows to run for a request now, from position `start` on: its held ones before the step's
+        (held rows at or past the step's `start` are rewritten by it; held rows after a gap are stale),
+        then the step's `ids` (hidden: their rows [len(ids), H], or None). None: all held for later."""
+        held = self.pending.pop(request_id, None)
+        if held is not None and held.start <= start <= held.start + len(held.ids):
+            keep = start - held.start
+            ids = held.ids[:keep] + list(ids)
+            if hidden is not None and held.hidden is not None:
+                hidden = torch.cat([held.hidden[:keep], hidden])
+            start = held.start
+        if drafts_now or len(ids) >= self.upkeep_chunk:
+            return start, list(ids), hidden
+        self.pending[request_id] = PendingRows(start, list(ids), None if hidden is None else hidden.clone())
+        return None
 
     def attention_layers(self) -> list:
         return []

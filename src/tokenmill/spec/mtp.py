@@ -4,7 +4,8 @@ or from a head `tokenmill train-mtp` wrote (speculative_config "model": its dire
 
 Per step (spec/drafter.py): for every request, its verified positions p of the step (its own tokens and
 the drafts accepted) go through the layer with t_{p+1} (the next verified token, or the token sampled
-now) and the target's h_p, writing the layer's cache there. For a request that samples, the last row's
+now) and the target's h_p, writing the layer's cache there (held while the request drafts nothing, then
+run as one chunk). For a request that samples, the last row's
 logits give draft 1 (greedy: drafts are one-hot guesses, verified losslessly); drafts 2..k chain the
 layer on its own output at the next positions (the scheduler's lookahead slots)."""
 from __future__ import annotations
@@ -52,23 +53,27 @@ class MTPDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
-        rows, ids, positions, requests, tails = [], [], [], [], []
+        self.forget(step.sched_out)
+        hidden, ids, positions, requests, tails = [], [], [], [], []
         for sr, row in zip(step.sched_out.scheduled, step.query_starts):
             nxt = _verified(sr, step.sampled.get(sr.request_id))
             if nxt is None:
                 continue
-            n = len(nxt)
-            rows.extend(range(row, row + n))
-            ids.extend(nxt)
-            positions.extend(range(sr.start_position, sr.start_position + n))
-            requests.append((sr.block_ids, sr.start_position, n))
-            if sr.request_id in step.sampled and step.k and speculation_applies(
-                    sr.params, len(sr.output_token_ids) + len(step.sampled[sr.request_id])):
-                tails.append((sr, len(ids) - 1, sr.start_position + n - 1))
-        if not rows:
+            drafts_now = bool(sr.request_id in step.sampled and step.k and speculation_applies(
+                sr.params, len(sr.output_token_ids) + len(step.sampled[sr.request_id])))
+            taken = self.take_rows(sr.request_id, sr.start_position, nxt, step.hidden[row:row + len(nxt)], drafts_now)
+            if taken is None:
+                continue                      # held: they run with its next drafts or once enough wait
+            start, run_ids, run_hidden = taken
+            hidden.append(run_hidden)
+            ids.extend(run_ids)
+            positions.extend(range(start, start + len(run_ids)))
+            requests.append((sr.block_ids, start, len(run_ids)))
+            if drafts_now:
+                tails.append((sr, len(ids) - 1, start + len(run_ids) - 1))
+        if not ids:
             return {}
-        hidden = self._run(step, ids, positions, step.hidden.index_select(0, torch.tensor(rows, device=step.hidden.device)),
-                           requests)
+        hidden = self._run(step, ids, positions, torch.cat(hidden), requests)
         return self._chain(step, hidden, tails) if tails else {}
 
     def _run(self, step: DraftStep, ids, positions, prev_hidden, requests) -> torch.Tensor:
