@@ -70,7 +70,8 @@ def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_targets_leave():
     h = policy.config.horizon_steps
     steady = policy.steady_step_s(s.running, s.step_model)
     aim = policy.config.tpot_margin * 0.050
-    clock[0] = aim * h - steady * (h - 1) - 0.060     # the decoders' projections now leave a 60 ms step
+    spend = policy.config.slack_spend                 # a step may take steady + spend * slack: make it 60 ms
+    clock[0] = aim * h - steady * h - (0.060 - steady) / spend
     assert policy.step_limit_s(s.running, clock[0], s.step_model) == pytest.approx(0.060)
     s.add_request(Request("long", [9] * 600, _params(8), arrival_time=clock[0]))
     out = s.schedule()
@@ -207,7 +208,8 @@ def test_a_request_that_will_likely_stop_soon_tightens_the_step_limit():
     assert h == 11                                  # every past request stopped at 12 tokens; it has 1
     steady = policy.steady_step_s(s.running, model)
     aim = policy.config.tpot_margin * 0.050
-    assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(aim * h - steady * (h - 1))
+    slack = aim * h - steady * h
+    assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(steady + policy.config.slack_spend * slack)
     assert policy.step_limit_s(s.running, 0.0, model) < unknown     # one long step spreads over fewer steps
 
 

@@ -4,8 +4,9 @@ step-time model.
 MLPerf judges a request by its TTFT (arrival to first token) and its TPOT, the mean step time over its whole
 decode. A TPOT is an average over a hundred steps or so: it is set by the batch a request decodes in over its
 life, far more than by any one step. So, per step:
-- time limit: each running request with a TPOT target allows the step that keeps its projected TPOT (time so
-  far, this step, then steady steps over a horizon) within margin * target; the tightest sets the limit
+- time limit: each running request with a TPOT target allows a steady step plus part of its slack, the time
+  its projected TPOT (time so far, then steady steps over a horizon) leaves below margin * target; the
+  tightest sets the limit
   (requests that even decode-only steps cannot keep on target do not shrink it: they complete, counted);
 - remaining tokens: max_tokens is only a ceiling; core/output_length.py estimates from finished requests how
   many more a running request produces. The time limit takes a low quantile of it (a request that stops
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SLOPolicyConfig:
     tpot_margin: float = 0.95         # steps aim at this fraction of the TPOT target
+    slack_spend: float = 0.5          # fraction of a request's slack (beyond steady steps) one step may spend
     horizon_steps: int = 32           # steps ahead a request's TPOT projection spreads this step over
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
@@ -109,11 +111,12 @@ class SLOPolicy(FCFSPolicy):
     # ---- the step's budget --------------------------------------------------------------------------
     def step_limit_s(self, running: list[Request], now: float, model) -> float:
         """Predicted time this step may take (inf: no running request has a TPOT target). Each request with
-        a target and a first token allows the step that keeps its projected TPOT within margin * target,
-        the projection being its time so far, this step, then steady steps (steady_step_s of the running
-        batch) for the rest of a horizon: aim * (k + h) - elapsed - steady * (h - 1), for k tokens after its
-        first so far and h = min(remaining tokens (low estimate), horizon_steps), and never less than a
-        decode-only step (decodes always run; prefill then gets its minimum chunk). The tightest request
+        a target and a first token has an allowance, aim * (k + h) - elapsed, for k tokens after its first
+        so far and h = min(remaining tokens (low estimate), horizon_steps) steps ahead, and a slack, what the
+        allowance holds beyond h steady steps (steady_step_s of the running batch). It allows a steady step
+        plus slack_spend of its slack (spending it all at once is right only if the steps after are as
+        predicted: step times vary, and arrivals come), never less than a decode-only step (decodes always
+        run; prefill then gets its minimum chunk). The tightest request
         sets the limit, among those that decode-only steps could still keep on target: a steady step
         carries the batch's share of prefill, which this limit itself defers, so a request past the steady
         bar may still be kept; one past even the decode-only bar completes, counted, without slowing all."""
@@ -129,7 +132,7 @@ class SLOPolicy(FCFSPolicy):
             h = self.remaining_low(r, c.horizon_steps)
             allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
             if allowance >= decode * h:       # decode-only steps would keep it on target
-                limit = min(limit, max(allowance - steady * (h - 1), decode))
+                limit = min(limit, max(steady + c.slack_spend * (allowance - steady * h), decode))
         return limit
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:

@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.sample.rejection import speculation_applies
 from tokenmill.spec.base import WorkerProposer
-from tokenmill.spec.drafter import Drafter, DraftStep, reaches
+from tokenmill.spec.drafter import DraftBatch, Drafter, DraftStep, reaches
 
 
 class DraftModelProposer(WorkerProposer):
@@ -47,7 +47,7 @@ class DraftModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         self.forget(step.sched_out)
-        ids, positions, requests, tails = [], [], [], []
+        batch = DraftBatch()
         for sr in step.sched_out.scheduled:
             sampled = step.sampled.get(sr.request_id)
             feed, first = self._feed(sr, sampled)
@@ -59,13 +59,9 @@ class DraftModelDrafter(Drafter):
             if reachable and self.num_layers is None:     # a cache of its own: rows may wait (spec/drafter.py)
                 taken = self.take_rows(sr.request_id, first, reachable, None, drafts_now)
                 first, reachable = taken[:2] if taken is not None else (first, [])
-            if not reachable:
-                continue
-            ids.extend(reachable)
-            positions.extend(range(first, first + len(reachable)))
-            requests.append((sr.block_ids, first, len(reachable)))
-            if drafts_now:
-                tails.append((sr, len(ids) - 1, first + len(reachable) - 1))
+            if reachable:
+                batch.add(sr, first, reachable, drafts_now)
+        ids, positions, requests, tails = batch.ids, batch.positions, batch.requests, batch.tails
         if not tails:
             if ids and self.num_layers is None:       # held rows that reached upkeep_chunk: fill its cache
                 self._logits(step, ids, positions, requests, [len(ids) - 1], skip_logits=True)

@@ -18,7 +18,7 @@ reaches (the scheduler's lookahead slots)."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,23 @@ class DraftStep:
     sampled: dict[str, list[int]]       # request id -> tokens the step produced (accepted drafts + one)
     k: int                              # drafts to propose per request (0: only keep the cache complete)
     block_size: int
+
+
+@dataclass
+class DraftBatch:
+    """The rows a drafter runs in one step, each request's consecutive, and the rows drafts start from."""
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    requests: list = field(default_factory=list)   # (block table, start position, rows): step_tensors' input
+    tails: list = field(default_factory=list)      # (scheduled request, its last row, that row's position)
+
+    def add(self, sr, start: int, ids: list[int], drafts_now: bool) -> None:
+        """Request sr's tokens `ids` at positions start, start + 1, ...; drafts_now: it drafts from the last."""
+        self.ids.extend(ids)
+        self.positions.extend(range(start, start + len(ids)))
+        self.requests.append((sr.block_ids, start, len(ids)))
+        if drafts_now:
+            self.tails.append((sr, len(self.ids) - 1, start + len(ids) - 1))
 
 
 @dataclass

@@ -21,7 +21,7 @@ from tokenmill.models.mtp import SHARED_WITH_TARGET, build_mtp_layer
 from tokenmill.models.weights import load_named_weights
 from tokenmill.sample.rejection import speculation_applies
 from tokenmill.spec.base import WorkerProposer
-from tokenmill.spec.drafter import Drafter, DraftStep, reaches
+from tokenmill.spec.drafter import DraftBatch, Drafter, DraftStep, reaches
 
 logger = logging.getLogger("tokenmill")
 HEAD_FILE, HEAD_CONFIG = "mtp.safetensors", "mtp_config.json"
@@ -54,7 +54,7 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         self.forget(step.sched_out)
-        hidden, ids, positions, requests, tails = [], [], [], [], []
+        batch, hidden = DraftBatch(), []
         for sr, row in zip(step.sched_out.scheduled, step.query_starts):
             nxt = _verified(sr, step.sampled.get(sr.request_id))
             if nxt is None:
@@ -65,16 +65,12 @@ class MTPDrafter(Drafter):
             if taken is None:
                 continue                      # held: they run with its next drafts or once enough wait
             start, run_ids, run_hidden = taken
+            batch.add(sr, start, run_ids, drafts_now)
             hidden.append(run_hidden)
-            ids.extend(run_ids)
-            positions.extend(range(start, start + len(run_ids)))
-            requests.append((sr.block_ids, start, len(run_ids)))
-            if drafts_now:
-                tails.append((sr, len(ids) - 1, start + len(run_ids) - 1))
-        if not ids:
+        if not batch.ids:
             return {}
-        hidden = self._run(step, ids, positions, torch.cat(hidden), requests)
-        return self._chain(step, hidden, tails) if tails else {}
+        hidden = self._run(step, batch.ids, batch.positions, torch.cat(hidden), batch.requests)
+        return self._chain(step, hidden, batch.tails) if batch.tails else {}
 
     def _run(self, step: DraftStep, ids, positions, prev_hidden, requests) -> torch.Tensor:
         ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, step.block_size)
