@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput
-from tokenmill.core.policy import make_policy
+from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_time import StepTimeModel, step_features
@@ -68,13 +68,13 @@ def true_step_s(features, costs=TRUE_COSTS) -> float:
     return StepTimeModel(prior=costs).predict(features)
 
 
-def simulate(arrivals: list[Arrival], policy: str, max_num_seqs: int = 256, budget: int = 2048,
+def simulate(arrivals: list[Arrival], policy: "str | SchedulingPolicy", max_num_seqs: int = 256, budget: int = 2048,
              num_blocks: int = 4096, block_size: int = 16, prior: dict | None = TRUE_COSTS,
              costs: dict = TRUE_COSTS, max_steps: int = 200_000) -> SimResult:
     clock = [0.0]
     model = StepTimeModel(prior=prior)
     s = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=1 << 16),
-                  KVCacheManager(num_blocks, block_size, False), make_policy(policy), model,
+                  KVCacheManager(num_blocks, block_size, False), make_policy(policy) if isinstance(policy, str) else policy, model,
                   clock=lambda: clock[0])
     res, pending = SimResult(), sorted(arrivals, key=lambda a: a.time_s)
     first, last, reqs, lengths = {}, {}, {}, {}
