@@ -3,7 +3,8 @@ Add one by subclassing SchedulingPolicy and registering it in POLICIES.
 
 The scheduler owns the mechanics (KV blocks, preemption, chunking); a policy only answers questions:
 each step's budget (begin_step), the order running requests are served in, the order of the waiting queue,
-whether one more request may start, and which running request gives up its blocks when they run out.
+whether one more request may start, whether a prefill chunk may pass the step's time limit, and which
+running request gives up its blocks when they run out; it hears of each finished request (request_finished).
 """
 from __future__ import annotations
 
