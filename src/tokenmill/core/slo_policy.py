@@ -6,8 +6,8 @@ decode. A TPOT is an average over a hundred steps or so: it is set by the batch 
 life, far more than by any one step. So, per step:
 - time limit: each running request with a TPOT target allows a steady step plus part of its slack, the time
   its projected TPOT (time so far, then steady steps over a horizon) leaves below margin * target; the
-  tightest sets the limit
-  (requests that even decode-only steps cannot keep on target do not shrink it: they complete, counted);
+  tightest sets the limit (requests that even decode-only steps cannot keep on target do not shrink it:
+  they complete, counted);
 - remaining tokens: max_tokens is only a ceiling; core/output_length.py estimates from finished requests how
   many more a running request produces. The time limit takes a low quantile of it (a request that stops
   soon has few steps left to average a long step out), the forecasts its mean;
@@ -116,10 +116,10 @@ class SLOPolicy(FCFSPolicy):
         allowance holds beyond h steady steps (steady_step_s of the running batch). It allows a steady step
         plus slack_spend of its slack (spending it all at once is right only if the steps after are as
         predicted: step times vary, and arrivals come), never less than a decode-only step (decodes always
-        run; prefill then gets its minimum chunk). The tightest request
-        sets the limit, among those that decode-only steps could still keep on target: a steady step
-        carries the batch's share of prefill, which this limit itself defers, so a request past the steady
-        bar may still be kept; one past even the decode-only bar completes, counted, without slowing all."""
+        run; prefill then gets its minimum chunk). The tightest request sets the limit, among those that
+        decode-only steps could still keep on target: a steady step carries the batch's share of prefill,
+        which this limit itself defers, so a request past the steady bar may still be kept; one past even
+        the decode-only bar completes, counted, without slowing all."""
         c, limit = self.config, math.inf
         steady = decode = None
         for r in running:
