@@ -25,6 +25,7 @@ class OutputLengths:
         self.records: deque[tuple[int, bool]] = deque(maxlen=window)   # (output tokens, stopped by itself)
         self._survival: np.ndarray | None = None   # S[t] = P(X > t), t = 0..T (T = the longest record)
         self._cumulative: np.ndarray | None = None  # _cumulative[t] = sum(S[:t]), t = 0..T+1
+        self._descending: np.ndarray | None = None  # -S, non-decreasing: searchsorted finds quantiles
         self._dirty = False
 
     def record(self, num_output_tokens: int, stopped: bool) -> None:
@@ -54,7 +55,7 @@ class OutputLengths:
         at_risk = np.cumsum(ended[::-1])[::-1]                             # n_t: records with X >= t
         hazard = np.divide(stops, at_risk, out=np.zeros(size), where=at_risk > 0)
         survival = np.cumprod(1.0 - hazard)
-        self._survival = survival
+        self._survival, self._descending = survival, -survival
         self._cumulative = np.concatenate(([0.0], np.cumsum(survival)))
 
     def _s(self, t: int) -> float:
@@ -84,9 +85,8 @@ class OutputLengths:
         if s is None or self._s(produced) <= 0.0:
             return cap
         bar = (1.0 - q) * self._s(produced)
-        tail = s[produced + 1:] if produced + 1 < len(s) else s[-1:][:0]
-        # S is non-increasing: the first t > produced with S(t) <= bar (t = produced + j)
-        j = int(np.searchsorted(-tail, -bar, side="left")) + 1
-        if j > len(tail):                     # not reached within the records: beyond them S stays put
+        # S is non-increasing: the first t > produced with S(t) <= bar, t = produced + j (O(log T), no copy)
+        t = produced + 1 + int(np.searchsorted(self._descending[produced + 1:], -bar, side="left"))
+        if t >= len(s):                       # not reached within the records: beyond them S stays put
             return cap
-        return min(j, cap)
+        return min(t - produced, cap)

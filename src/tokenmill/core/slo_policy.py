@@ -95,18 +95,19 @@ class SLOPolicy(FCFSPolicy):
 
     def remaining_low(self, r: Request, cap: int) -> int:
         """A low estimate (horizon_quantile) of the output tokens r still produces, at most `cap`."""
-        estimate = max(r.max_tokens - r.num_output_tokens, 1)
-        if _stops_by_itself(r):
-            estimate = self.lengths.remaining_quantile(r.num_output_tokens, r.max_tokens,
-                                                       self.config.horizon_quantile)
-        return min(max(estimate, self._floor(r)), cap)
+        q = self.config.horizon_quantile
+        return self._remaining(r, cap, lambda n, m: self.lengths.remaining_quantile(n, m, q))
 
     def remaining_mean(self, r: Request, cap: int) -> int:
-        """The expected output tokens r still produces (rounded, at least 1), at most `cap`."""
-        estimate = max(r.max_tokens - r.num_output_tokens, 1)
-        if _stops_by_itself(r):
-            estimate = round(self.lengths.expected_remaining(r.num_output_tokens, r.max_tokens))
-        return min(max(estimate, self._floor(r)), cap)
+        """The expected output tokens r still produces (rounded), at most `cap`."""
+        return self._remaining(r, cap, lambda n, m: round(self.lengths.expected_remaining(n, m)))
+
+    def _remaining(self, r: Request, cap: int, estimate) -> int:
+        """estimate(produced, max_tokens) for a request that may stop by itself, else exactly what max_tokens
+        leaves; at least what min_tokens still forces (and 1), at most `cap`."""
+        n = r.num_output_tokens
+        value = estimate(n, r.max_tokens) if _stops_by_itself(r) else r.max_tokens - n
+        return min(max(value, self._floor(r)), cap)
 
     # ---- the step's budget --------------------------------------------------------------------------
     def step_limit_s(self, running: list[Request], now: float, model) -> float:
