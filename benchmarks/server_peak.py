@@ -37,7 +37,9 @@ TOKENMILL = [sys.executable, "-m", "tokenmill.cli"]     # the CLI of the tokenmi
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="slo,fcfs,llama-server",
-                   help="comma list of: slo, fcfs (tokenmill serve --scheduling-policy), llama-server")
+                   help="comma list of: slo, fcfs (tokenmill serve --scheduling-policy), llama-server; a "
+                        "policy may name a parallel layout: slo+dp2 (2 replicas), slo+tp2 (2 tensor-parallel "
+                        "ranks); the CPU threads are split between replicas or ranks")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
@@ -76,6 +78,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A tokenmill system's parallel layout: the name after "+" in --systems, and the serve flags it adds.
+PARALLEL_LAYOUTS = {"": [], "dp2": ["--data-parallel-size", "2"], "tp2": ["--tensor-parallel-size", "2"]}
+
+
 @dataclass(frozen=True)
 class System:
     name: str
@@ -92,11 +98,13 @@ def cpu_has_amx() -> bool:
 def systems(args, gguf: str, port: int) -> list[System]:
     out = []
     for name in args.systems.split(","):
-        if name in ("slo", "fcfs"):
-            cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", name, "--no-prefix-caching"]
+        policy, _, layout = name.partition("+")
+        if policy in ("slo", "fcfs") and layout in PARALLEL_LAYOUTS:
+            cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", policy, "--no-prefix-caching"]
+            cmd += PARALLEL_LAYOUTS[layout]
             if args.quantization != "none":
                 cmd += ["--quantization", args.quantization]
-            if name == "slo":
+            if policy == "slo":
                 cmd += ["--slo-profile", args.profile]
             if args.speculative_config:
                 cmd += ["--speculative-config", args.speculative_config]
@@ -115,7 +123,7 @@ def systems(args, gguf: str, port: int) -> list[System]:
                 cmd.append("--no-repack")
             out.append(System("llama-server", cmd))
         else:
-            sys.exit(f"unknown system {name!r}; expected slo, fcfs or llama-server")
+            sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2) or llama-server")
     return out
 
 
