@@ -19,6 +19,9 @@ ARCH_TINY = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
                       head_dim=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # gpt-oss: a window of 4 on the first layer, full attention on the second
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"]),
     "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                         routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
@@ -49,15 +52,16 @@ def _stand_in_tokenizer(vocab_size: int = 49152):
 
 
 def build_tiny_model(out_dir: str, tokenizer, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """A random tiny model of `arch` (llama | qwen2 | mistral | mixtral | qwen3_moe | deepseek_v3) saved as a
-    HF directory."""
+    """A random tiny model of `arch` (llama | qwen2 | mistral | mixtral | qwen3_moe | deepseek_v3 | gpt_oss)
+    saved as a HF directory."""
     import transformers
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[arch]
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+           "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}[arch]
     kwargs = dict(DEFAULT_TINY, **ARCH_TINY.get(arch, {}), vocab_size=len(tokenizer),
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.eos_token_id)

@@ -25,10 +25,19 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0   # routed experts' weights times this
     num_shared_experts: int = 0      # DeepSeek: one always-on MLP of num_shared x expert width
     correction_bias: bool = False    # DeepSeek-V3: e_score_correction_bias biases the choice, not the weights
+    router_bias: bool = False        # gpt-oss: the router's logits carry a bias
+    expert_bias: bool = False        # gpt-oss: each expert's gate/up and down projections carry biases
+    # the experts' activation over [gate | up]: "silu" (SwiGLU: silu(gate) * up) or "clamped_swiglu" (gpt-oss:
+    # gate clamped above at swiglu_limit, up to +-swiglu_limit, then (up + 1) * gate * sigmoid(alpha * gate))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.activation not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"MoE expert activation must be 'silu' or 'clamped_swiglu', got {self.activation!r}")
         if not 1 <= self.top_k <= self.num_experts or self.num_experts % self.num_groups \
                 or not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"MoE routing: need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts}), "
@@ -81,6 +90,10 @@ class ModelConfig:
     qk_norm: bool = False            # RMSNorm on each q and k head before rotary (Qwen3)
     num_mtp_layers: int = 0          # DeepSeek's multi-token-prediction layers after the main ones
     kv_cache_dtype: torch.dtype | None = None   # None: dtype; torch.float8_e4m3fn: the FP8 cache (fp8_kv.py)
+    attention_sinks: bool = False    # gpt-oss: a learned logit per head joins every softmax (and takes no value)
+    # tokens each layer attends back to (its own included), None: the whole context (gpt-oss alternates
+    # sliding layers of 128 with full ones); () for every layer full
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, hf_config, dtype: torch.dtype = torch.float32) -> "ModelConfig":
@@ -112,7 +125,13 @@ class ModelConfig:
             qk_norm=archs[0].startswith("Qwen3"),
             num_mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
             if archs[0].startswith("DeepseekV3") else 0,
+            attention_sinks=archs[0].startswith("GptOss"),
+            layer_windows=_layer_windows(hf_config, archs[0]),
         )
+
+    def window(self, layer_index: int) -> int | None:
+        """Tokens layer `layer_index` attends back to, its own included; None: all of them."""
+        return self.layer_windows[layer_index] if self.layer_windows else None
 
     @property
     def q_size(self) -> int:
@@ -149,6 +168,11 @@ def _moe_config(hf, architecture: str) -> MoEConfig | None:
         layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
         return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, layers,
                          renormalize=bool(getattr(hf, "norm_topk_prob", False)))
+    if architecture.startswith("GptOss"):     # softmax over the top-k logits = renormalized top-k softmax
+        return MoEConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, tuple(range(n_layers)),
+                         router_bias=True, expert_bias=True, activation="clamped_swiglu",
+                         swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
+                         swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)))
     if architecture.startswith("DeepseekV3"):
         first_moe = getattr(hf, "first_k_dense_replace", 0) or 0
         return MoEConfig(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
@@ -158,6 +182,16 @@ def _moe_config(hf, architecture: str) -> MoEConfig | None:
                          routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0)),
                          num_shared_experts=getattr(hf, "n_shared_experts", 0) or 0, correction_bias=True)
     return None
+
+
+def _layer_windows(hf, architecture: str) -> tuple[int | None, ...]:
+    """gpt-oss: each layer's sliding window from layer_types (Mistral-style global windows stay unused
+    within the supported context, as before)."""
+    if not architecture.startswith("GptOss"):
+        return ()
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    return tuple(window if t == "sliding_attention" and window else None for t in types)
 
 
 def _mla_config(hf) -> MLAConfig | None:
@@ -170,7 +204,7 @@ def _mla_config(hf) -> MLAConfig | None:
 def _arch_from_model_type(model_type: str | None) -> str:
     known = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
              "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-             "deepseek_v3": "DeepseekV3ForCausalLM"}
+             "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     if model_type not in known:
         raise ValueError(f"model config has no 'architectures' and model_type {model_type!r} is not one of "
                          f"{sorted(known)}")

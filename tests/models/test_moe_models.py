@@ -1,4 +1,4 @@
-"""Mixture-of-experts and DeepSeek-V3 models against transformers on tiny random configs built here:
+"""Mixture-of-experts, DeepSeek-V3 and gpt-oss models against transformers on tiny random configs built here:
 logits within 1e-4 (fp32) and the same greedy tokens through chunked prefill mixed with decodes, prefix
 cache hits and preemption; MLA's latent cache size and what the pool and /metrics make of it; expert token
 counts; quantized experts."""
@@ -21,6 +21,8 @@ VARIANTS = {
     # no q LoRA (q_proj whole, as DeepSeek-V2-Lite), rope in halves, one group, no shared expert, tied head
     "deepseek-v3-plain": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
                                               n_shared_experts=0, tie_word_embeddings=True)),
+    # sinks, a window of 4 on layer 0, biased router and experts, clamped SwiGLU, YaRN (factor 32)
+    "gpt-oss": ("gpt_oss", {}),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

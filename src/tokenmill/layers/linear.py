@@ -35,6 +35,9 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self)
         self.tile_fn = None                           # x -> y for steps of <= tile_max_rows rows
         self.tile_max_rows = 0
+        # x -> x rounded as a pre-quantized checkpoint quantizes this layer's input (quant/activations.py),
+        # applied before the method; None: the input goes in as it is
+        self.input_quant = None
 
     def set_quant_method(self, method: QuantMethod) -> None:
         """After loading: pack the float weight for `method` and use it from now on."""
@@ -45,6 +48,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         if self.tile_fn is not None and x.shape[0] <= self.tile_max_rows:
             return self.tile_fn(x)
         return self.quant_method.apply(self, x)
@@ -61,7 +66,10 @@ class Linear(nn.Module):
     def native_decode_linear(self, native):
         """This layer as csrc/decode_layer.cpp's DecodeLinear: the tile kernel its steps of up to
         tile_max_rows rows run and, where the method names one, the kernel `apply` runs for larger steps.
-        None without a tile kernel (e.g. w8a8, or float32-compute reference modes)."""
+        None without a tile kernel (e.g. w8a8, or float32-compute reference modes), and where the input is
+        rounded first (input_quant: the native layer would skip it)."""
+        if self.input_quant is not None:
+            return None
         tiles = self.quant_method.tile_weights(self) if self.tile_fn is not None else None
         if tiles is None:
             return None

@@ -68,9 +68,12 @@ def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, mod
 def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) -> None:
     """A pre-quantized checkpoint (quant/prequantized.py). For the format's own method (fp8, nvfp4, mxfp4)
     each quantized layer takes the checkpoint's codes as they are, with its scales (no float copy of the
-    weight is made), and the layers it keeps in float stay so. Another method gets the weights dequantized
+    weight is made) and its activation scheme, and the layers it keeps in float stay so. Another method gets the weights dequantized
     as read and quantizes them as usual."""
-    from tokenmill.quant.prequantized import attach_scales, dequantized_weights, read_scales
+    from tokenmill.quant.prequantized import (attach_input_quant, attach_scales, dequantized_weights,
+                                              read_input_scales, read_scales)
+    source = iter_weights
+    iter_weights = lambda: model.checkpoint_tensors(source())        # noqa: E731  (the model's view of the file)
     scales = read_scales(iter_weights, fmt)
     if method is None or method.name != fmt.method:
         model.load_weights(dequantized_weights(iter_weights, fmt, scales))
@@ -81,6 +84,7 @@ def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) 
     model.load_weights(dequantized_weights(iter_weights, fmt, scales, sink.take))
     sink.check_complete()
     quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized)
+    attach_input_quant(model, quantized, read_input_scales(iter_weights, fmt), fmt)
 
 
 class _CodeSink:

@@ -82,6 +82,11 @@ class CausalLM(nn.Module):
         """A checkpoint tensor's name in this model's module names (load_weights renames the same way)."""
         return name
 
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterable[tuple[str, object]]:
+        """The checkpoint's (name, tensor) pairs as this model's loaders take them (gpt-oss splits its fused
+        expert tensors per expert); unchanged by default. quant/prequantized.py's passes read through it."""
+        return weights
+
     def greedy_head_linear(self) -> nn.Module | None:
         """The Linear whose logits' argmax is the greedy token (compute_logits adds nothing), or None."""
         return None

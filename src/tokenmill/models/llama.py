@@ -59,10 +59,15 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = self.rotary(rope, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+        out = self.attend(q, k, v, meta)
         if keep_rows is not None:
             out = out[keep_rows]
         return self.o_proj(out)
+
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Cache the new keys and values, then attend: q [T, H, D], k/v [T, KV, D] -> [T, H * D]."""
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
 
 
 class LlamaMLP(nn.Module):
@@ -137,11 +142,12 @@ class LlamaForCausalLM(CausalLM):
         "gate_up_proj": [("gate_proj", "gate"), ("up_proj", "up")],
     }
     IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+    attention_class = LlamaAttention           # make_attention(cfg, rotary) of every layer
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.make_mlp)
+        self.model = LlamaModel(cfg, self.make_mlp, self.attention_class)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)   # vocab runs
         if cfg.tie_word_embeddings:   # one tensor, two uses; loaded as model.embed_tokens.weight
             self.lm_head.weight = self.model.embed_tokens.weight

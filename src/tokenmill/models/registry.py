@@ -10,6 +10,7 @@ _MODELS = {
     "MixtralForCausalLM": ("tokenmill.models.moe_llama", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("tokenmill.models.moe_llama", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("tokenmill.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("tokenmill.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

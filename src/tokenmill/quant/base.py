@@ -10,6 +10,7 @@ A method object is stateless and shared by all layers that use it; what it compu
                                            or None; tile_kernel(layer) binds it
     large_kernel(layer)                    once, after packing: what `apply` runs, named for the native
                                            decoder layer (csrc/decode_layer.h LargeLinear), or None
+    take_input_quant(layer, input_quant)   once, for a pre-quantized checkpoint that quantizes activations
 """
 from __future__ import annotations
 
@@ -72,6 +73,12 @@ class QuantMethod:
         """(kind, weight) of the kernel `apply` runs for steps above tile_max_rows, for csrc/decode_layer.h's
         LargeLinear, which must compute exactly what `apply` does; None where it has no native twin."""
         return None
+
+    def take_input_quant(self, layer: nn.Module, input_quant) -> None:
+        """A pre-quantized checkpoint's activation quantization for this layer (quant/activations.py
+        InputQuant). By default Linear.forward rounds the input with it before `apply` (the exact
+        reference); a method whose kernel quantizes activations itself takes it over instead."""
+        layer.input_quant = input_quant
 
     @staticmethod
     def drop_float_weight(layer: nn.Module) -> None:

@@ -16,10 +16,20 @@ NVFP4 weights (E2M1 codes packed two a byte, an E4M3 scale per 16 inputs, a floa
   multiplier).
 MXFP4 weights (E2M1 codes packed two a byte, an E8M0 scale 2^(e - 127) per 32 inputs, no tensor scale), from
 - compressed-tensors (format mxfp4-pack-quantized; weights num_bits 4, type float, strategy group,
-  group_size 32): `weight_packed` uint8 [N, K/2], `weight_scale` uint8 / float8_e8m0fnu [N, K/32].
-Their activations run float32 (weight-only), whatever the checkpoint's input scales say.
-`input_scale` (static activation scales) is read and not used: activations stay float32 on the CPU.
-Anything else (gpt-oss's MXFP4 experts, integer schemes, ...) is an error that names it."""
+  group_size 32): `weight_packed` uint8 [N, K/2], `weight_scale` uint8 / float8_e8m0fnu [N, K/32];
+- gpt-oss (quant_method mxfp4): its experts' `*_blocks` / `*_scales`, which models/gpt_oss.py presents as the
+  same per-expert tensors (the rest of the file is float).
+Activations are quantized as the checkpoint declares (quant/activations.py; a layer's method takes the
+scheme in `take_input_quant`: on the CPU its input is rounded to the format before the float32 product):
+- compressed-tensors `input_activations`: FP8 static per tensor (`input_scale`, a multiplier), dynamic per
+  token, dynamic per token group; NVFP4 `dynamic: local` blocks of 16 under `input_global_scale` (a divisor,
+  448 x 6 / amax); MXFP4 dynamic blocks of 32; none: weight-only;
+- ModelOpt FP8 and NVFP4 (their recipes quantize inputs): `input_scale` (a multiplier) per layer;
+- DeepSeek fp8: `activation_scheme` dynamic (per token group of 128 with blocks, else per token) or static.
+A fused layer's shards (qkv, gate/up) read one input: where their static scales differ the largest is used
+(no shard's calibrated range is clipped). Loaded with another method (`quantization=...` naming a different
+format), the weights are dequantized and requantized and the activations stay float32.
+Anything else (integer schemes, mixed weight / activation formats, ...) is an error that names it."""
 from __future__ import annotations
 
 import json
@@ -28,9 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.quant.activations import ActivationScheme, InputQuant
+
 SUPPORTED = ("FP8 E4M3 weights per tensor, per channel or in 128x128 blocks; NVFP4 weights (groups of 16); "
-             "MXFP4 weights (groups of 32, compressed-tensors)")
+             "MXFP4 weights (groups of 32, compressed-tensors; gpt-oss's experts)")
 NVFP4_GROUP = 16
+BLOCK_INPUTS = 128                  # DeepSeek-V3's FP8 blocks, and its activations' token groups
 FP4_GROUPS = {"nvfp4": NVFP4_GROUP, "mxfp4": 32}     # FP4 strategy -> inputs per block scale
 
 
@@ -42,6 +55,8 @@ class CheckpointQuant:
     method: str = "fp8"            # the quant/ method that serves it
     global_scale_name: str = ""    # NVFP4's per-tensor scale: "weight_scale_2" (x) | "weight_global_scale" (/)
     weight_name: str = "weight"    # the codes' tensor: "weight" | "weight_packed" (compressed-tensors FP4)
+    activations: ActivationScheme | None = None     # how inputs are quantized; None: weight-only
+    input_scale_name: str = ""     # the static activation scale's tensor: "input_scale" (x) | "input_global_scale" (/)
 
     @property
     def fp4_group(self) -> int:
@@ -75,31 +90,46 @@ def detect(hf_config, model_path: str) -> CheckpointQuant | None:
         return None
     kind = qc.get("quant_method")
     if kind == "mxfp4":
-        raise ValueError("quant_method 'mxfp4' is gpt-oss's checkpoint format (experts as *_blocks / *_scales), "
-                         "and tokenmill has no gpt-oss architecture (attention sinks, clamped SwiGLU experts); "
-                         f"supported: {SUPPORTED}")
+        archs = getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "")]
+        if not str(archs[0]).lower().startswith(("gptoss", "gpt_oss")):
+            raise ValueError(f"quant_method 'mxfp4' is gpt-oss's checkpoint format (experts as *_blocks / "
+                             f"*_scales); this checkpoint's architecture is {archs[0]!r}; supported: {SUPPORTED}")
+        # models/gpt_oss.py splits the fused *_blocks / *_scales into per-expert weight_packed / weight_scale
+        return CheckpointQuant("gpt-oss", "mxfp4", "weight_scale", "mxfp4", "", "weight_packed")
     if kind == "compressed-tensors":
         return _compressed_tensors(qc)
     if kind == "modelopt":
         algo = qc.get("quant_algo")
         if algo == "NVFP4" and int(qc.get("group_size", NVFP4_GROUP)) == NVFP4_GROUP:
-            return CheckpointQuant("modelopt", "nvfp4", "weight_scale", "nvfp4", "weight_scale_2")
+            return CheckpointQuant("modelopt", "nvfp4", "weight_scale", "nvfp4", "weight_scale_2",
+                                   activations=ActivationScheme("nvfp4", "block", NVFP4_GROUP),
+                                   input_scale_name="input_scale")
         if algo != "FP8":
             raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported; supported: {SUPPORTED}")
-        return CheckpointQuant("modelopt", "tensor", "weight_scale")
+        return CheckpointQuant("modelopt", "tensor", "weight_scale", activations=ActivationScheme("fp8", "tensor"),
+                               input_scale_name="input_scale")
     if kind == "fp8":
         block = qc.get("weight_block_size")
         if qc.get("fmt", "e4m3") != "e4m3" or (block is not None and list(block) != [128, 128]):
             raise ValueError(f"fp8 checkpoint format {qc.get('fmt')!r} with weight_block_size {block} is not "
                              f"supported; supported: {SUPPORTED}")
-        return CheckpointQuant("fp8", "block" if block else "tensor", "weight_scale_inv" if block else "weight_scale")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static") or (block and scheme == "static"):
+            raise ValueError(f"fp8 checkpoint activation_scheme {scheme!r} with weight_block_size {block} is not "
+                             "supported; supported: dynamic (per token group of 128 with blocks, else per token), "
+                             "static (per tensor, without blocks)")
+        acts = (ActivationScheme("fp8", "group", BLOCK_INPUTS) if block else
+                ActivationScheme("fp8", "token") if scheme == "dynamic" else ActivationScheme("fp8", "tensor"))
+        return CheckpointQuant("fp8", "block" if block else "tensor", "weight_scale_inv" if block else "weight_scale",
+                               activations=acts, input_scale_name="input_scale" if scheme == "static" else "")
     raise ValueError(f"pre-quantized checkpoint format quant_method={kind!r} is not supported; supported: "
                      f"{SUPPORTED} (compressed-tensors, ModelOpt, DeepSeek fp8)")
 
 
 def _compressed_tensors(qc: dict) -> CheckpointQuant:
-    strategies = set()
+    strategies, activations = set(), set()
     for name, group in (qc.get("config_groups") or {}).items():
+        activations.add(_ct_activations(name, group.get("input_activations")))
         w = group.get("weights") or {}
         if (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("group_size")) == (4, "float", "tensor_group",
                                                                                            NVFP4_GROUP):
@@ -119,12 +149,46 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
         strategies.add(w["strategy"])
     if len(strategies) != 1:
         raise ValueError(f"compressed-tensors: one weight strategy for every group is supported, got {sorted(strategies)}")
-    if strategies == {"nvfp4"}:
+    if len(activations) != 1:
+        raise ValueError("compressed-tensors: one activation scheme for every group is supported, got "
+                         + ", ".join(sorted("weight-only" if a is None else a.describe() for a in activations)))
+    acts = activations.pop()
+    strategy = strategies.pop()
+    weight_format = strategy if strategy in FP4_GROUPS else "fp8"
+    if acts is not None and acts.format != weight_format:
+        raise ValueError(f"compressed-tensors: {weight_format} weights with {acts.describe()} are not supported; "
+                         "supported: activations in the weights' format, or none (weight-only)")
+    input_scale = "" if acts is None or not acts.needs_static_scale else (
+        "input_global_scale" if acts.format == "nvfp4" else "input_scale")
+    if strategy == "nvfp4":
         return CheckpointQuant("compressed-tensors", "nvfp4", "weight_scale", "nvfp4", "weight_global_scale",
-                               "weight_packed")
-    if strategies == {"mxfp4"}:
-        return CheckpointQuant("compressed-tensors", "mxfp4", "weight_scale", "mxfp4", "", "weight_packed")
-    return CheckpointQuant("compressed-tensors", strategies.pop(), "weight_scale")
+                               "weight_packed", acts, input_scale)
+    if strategy == "mxfp4":
+        return CheckpointQuant("compressed-tensors", "mxfp4", "weight_scale", "mxfp4", "", "weight_packed", acts)
+    return CheckpointQuant("compressed-tensors", strategy, "weight_scale", activations=acts,
+                           input_scale_name=input_scale)
+
+
+def _ct_activations(name: str, a: dict | None) -> ActivationScheme | None:
+    """A compressed-tensors group's `input_activations` as a scheme (None: weight-only)."""
+    if not a:
+        return None
+    key = (a.get("num_bits"), a.get("type"), a.get("strategy"), a.get("dynamic"))
+    if key == (8, "float", "tensor", False):
+        return ActivationScheme("fp8", "tensor")
+    if key == (8, "float", "token", True):
+        return ActivationScheme("fp8", "token")
+    if key == (8, "float", "group", True) and a.get("group_size"):
+        return ActivationScheme("fp8", "group", int(a["group_size"]))
+    if key == (4, "float", "tensor_group", "local") and a.get("group_size") == NVFP4_GROUP:
+        return ActivationScheme("nvfp4", "block", NVFP4_GROUP)
+    if key == (4, "float", "group", True) and a.get("group_size") == FP4_GROUPS["mxfp4"]:
+        return ActivationScheme("mxfp4", "block", FP4_GROUPS["mxfp4"])
+    raise ValueError(f"compressed-tensors input_activations of {name} (num_bits={a.get('num_bits')}, "
+                     f"type={a.get('type')}, strategy={a.get('strategy')}, dynamic={a.get('dynamic')}, "
+                     f"group_size={a.get('group_size')}) are not supported; supported: FP8 static per tensor, "
+                     "dynamic per token or per token group; NVFP4 dynamic local (groups of 16); MXFP4 dynamic "
+                     "(groups of 32); or none (weight-only)")
 
 
 def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor | TensorScaled]:
@@ -241,6 +305,44 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
     for layer_name in done:
         _check_rows_covered(modules[layer_name], layer_name)
     return done
+
+
+def read_input_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, float]:
+    """The checkpoint's static activation scales by module name, as float32 multipliers (compressed-tensors'
+    `input_global_scale` is a divisor); empty when its scheme has none."""
+    from tokenmill.loaders.lazy import read_part
+    if not fmt.input_scale_name:
+        return {}
+    suffix, out = "." + fmt.input_scale_name, {}
+    for name, t in iter_weights():
+        if name.endswith(suffix):
+            value = read_part(t, slice(None), slice(None)).float().reshape(-1)
+            if value.numel() != 1 or not bool(value[0] > 0) or not bool(torch.isfinite(value[0])):
+                raise ValueError(f"{name}: a static activation scale must be one positive finite value, got "
+                                 f"{value.tolist()[:4]}")
+            out[name[: -len(suffix)]] = float(1 / value[0]) if fmt.input_scale_name == "input_global_scale" \
+                else float(value[0])
+    return out
+
+
+def attach_input_quant(model, layers: set[str], input_scales: dict[str, float], fmt: CheckpointQuant) -> None:
+    """Give each quantized layer (`layers`, after its method is set) the checkpoint's activation scheme through
+    its method's take_input_quant, with its static scale: the largest of its shards' (they read one input)."""
+    if fmt.activations is None:
+        return
+    from tokenmill.layers.quantize import _linear_target
+    modules = dict(model.named_modules())
+    by_layer: dict[str, list[float]] = {}
+    for ckpt_module, scale in input_scales.items():
+        layer_name, _ = _linear_target(model.checkpoint_name(ckpt_module + ".weight"), model.STACKED)
+        by_layer.setdefault(layer_name, []).append(scale)
+    for layer_name in sorted(layers):
+        scales = by_layer.get(layer_name)
+        if fmt.activations.needs_static_scale and not scales:
+            raise ValueError(f"{layer_name}: the checkpoint declares {fmt.activations.describe()} but gives this "
+                             f"layer no {fmt.input_scale_name}")
+        layer = modules[layer_name]
+        layer.quant_method.take_input_quant(layer, InputQuant(fmt.activations, max(scales) if scales else None))
 
 
 def checkpoint_parts(layer) -> list:

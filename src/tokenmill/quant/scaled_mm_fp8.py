@@ -7,8 +7,9 @@
                  and group of 128 inputs for block checkpoints (DeepSeek-V3's recipe).
     y = sum over input blocks b of (xq_b * xs_b) @ (wq_b * ws_b)^T, accumulated in float32.
 
-Static activation scales in a checkpoint (`input_scale`) are not used: per-token dynamic scales are at least
-as accurate. The same arithmetic runs on the CPU through torch's CPU `_scaled_mm`, which is how it is tested
+A pre-quantized checkpoint's own activation scheme (quant/activations.py: a static `input_scale`, per
+token, per token group) replaces that default (`take_input_quant`); the kernel quantizes with it, so
+nothing rounds the input twice. The same arithmetic runs on the CPU through torch's CPU `_scaled_mm`, which is how it is tested
 here (tests/quant/test_scaled_mm_fp8.py); on the CPU the registry's `fp8` stays quant/fp8.py (float32
 activations, the exact reference)."""
 from __future__ import annotations
@@ -27,6 +28,21 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     scale = (xg.abs().amax(dim=2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     codes = (xg / scale.unsqueeze(2)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(m, k), scale
+
+
+def _activations(x: torch.Tensor, kblock: int, input_quant) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [M, K] -> (E4M3 codes, float32 scales [M, K / group], group): the checkpoint's scheme where it gives
+    one (a static scale: every row and group the same), else per token, or per kblock group for blocks."""
+    m, k = x.shape
+    if input_quant is None:
+        return (*quantize_activations(x, kblock), kblock)
+    scheme = input_quant.scheme
+    if scheme.granularity == "tensor":
+        scale = torch.full((m, 1), input_quant.scale, dtype=torch.float32, device=x.device)
+        codes = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return codes, scale, k
+    group = scheme.group if scheme.granularity == "group" else k
+    return (*quantize_activations(x, group), group)
 
 
 class FP8ScaledMMMethod(FP8Method):
@@ -50,6 +66,17 @@ class FP8ScaledMMMethod(FP8Method):
         layer.register_buffer("fp8_scale", scales.t().float().unsqueeze(1).contiguous().to(device), persistent=False)
         layer.fp8_kblock = kblock
 
+    def take_input_quant(self, layer, input_quant) -> None:
+        """The checkpoint's FP8 activation scheme, applied by this kernel's own quantization (`apply`)."""
+        if input_quant.scheme.format != "fp8":
+            raise ValueError(f"{layer.prefix or 'a linear layer'}: FP8 weights with {input_quant.scheme.describe()} "
+                             "are not supported")
+        k, g = layer.in_features, input_quant.scheme.group or layer.in_features
+        if k % g or (max(g, layer.fp8_kblock) % min(g, layer.fp8_kblock)):
+            raise ValueError(f"{layer.prefix or 'a linear layer'}: activation groups of {g} inputs do not nest with "
+                             f"the weight's {layer.fp8_kblock}-input blocks")
+        layer.fp8_input = input_quant
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -57,12 +84,13 @@ class FP8ScaledMMMethod(FP8Method):
         if x2.is_cuda and m % ALIGN:                      # pad the rows; the padding's outputs are dropped
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, ALIGN - m % ALIGN))
         kblock = layer.fp8_kblock
-        xq, xs = quantize_activations(x2, kblock)
+        xq, xs, group = _activations(x2, kblock, getattr(layer, "fp8_input", None))
+        step = min(group, kblock)                         # inputs per GEMM: both scales constant over them
         y = None
-        for b in range(k // kblock):                      # one GEMM per input block (one for row scales)
-            cols = slice(b * kblock, (b + 1) * kblock)
-            part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=xs[:, b:b + 1].contiguous(),
-                                    scale_b=layer.fp8_scale[b], out_dtype=torch.float32)
+        for b in range(k // step):                        # one GEMM per input block (one for row scales)
+            cols, a, w = slice(b * step, (b + 1) * step), b * step // group, b * step // kblock
+            part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=xs[:, a:a + 1].contiguous(),
+                                    scale_b=layer.fp8_scale[w], out_dtype=torch.float32)
             y = part if y is None else y.add_(part)
         y = y[:m].to(x.dtype).reshape(*lead, -1)            # summed in float32, given back in x's dtype
         return self.add_bias(layer, y)

@@ -17,6 +17,8 @@ Routing runs on every rank for every token (it is cheap), so every rank counts e
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -30,21 +32,33 @@ from tokenmill.platforms import op_kernels
 
 
 class Expert(nn.Module):
-    """One SwiGLU MLP, x [N, hidden] -> [N, hidden]. `split`: this tensor-parallel rank holds a run of the
-    intermediate columns and returns a partial sum (the caller reduces); else it is whole."""
+    """One gated MLP, x [N, hidden] -> [N, hidden]: down(act(gate_up(x))), act SwiGLU or gpt-oss's clamped
+    SwiGLU (`moe.activation`), biases where `moe.expert_bias`. `split`: this tensor-parallel rank holds a run
+    of the intermediate columns and returns a partial sum (the caller reduces); else it is whole."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, split: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, split: bool,
+                 moe: MoEConfig | None = None) -> None:
         super().__init__()
         tp = tensor_parallel()
         run = split_evenly(intermediate, tp.size, tp.rank) if split else (0, intermediate)
-        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, dtype=dtype,
+        bias = bool(moe and moe.expert_bias)
+        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias, dtype=dtype,
                                          shard_runs={"gate": run, "up": run})
-        self.down_proj = RowParallelLinear(intermediate, hidden, dtype=dtype, cols=run)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype, cols=run)
         self.down_proj.reduce = False                       # the MoE block reduces once for all experts
-        self.silu_and_mul = op_kernels().silu_and_mul
+        self.silu_and_mul = op_kernels().silu_and_mul if moe is None or moe.activation == "silu" else \
+            partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: [T, 2I] as [gate | up] -> [T, I] = (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g),
+    g = gate clamped above at limit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 class FusedMoE(nn.Module):
@@ -57,7 +71,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden = moe.num_experts, hidden
         self.first_expert, self.num_local = split_evenly(moe.num_experts, ep.size, ep.rank)
         for e in range(self.first_expert, self.first_expert + self.num_local):
-            self.add_module(str(e), Expert(hidden, moe.expert_intermediate_size, dtype, split=ep.size == 1))
+            self.add_module(str(e), Expert(hidden, moe.expert_intermediate_size, dtype, split=ep.size == 1, moe=moe))
         self.kernel: MoEKernel = GroupedLinears()
         # tokens routed to each expert (all experts, every rank), cumulative: the load-balance metric
         self.register_buffer("routed_tokens", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)

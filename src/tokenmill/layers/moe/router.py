@@ -1,5 +1,5 @@
-"""Choosing each token's experts: softmax top-k (Mixtral, Qwen3-MoE) or DeepSeek-V3's sigmoid scores with
-a correction bias and grouped top-k. The gate is a float32 matrix in every dtype (routing decides which
+"""Choosing each token's experts: softmax top-k (Mixtral, Qwen3-MoE; gpt-oss's logits carry a bias) or
+DeepSeek-V3's sigmoid scores with a correction bias and grouped top-k. The gate is a float32 matrix in every dtype (routing decides which
 weights a token reads; DeepSeek keeps it float32 too) and is never quantized."""
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)
         if moe.correction_bias:          # checkpoint name: e_score_correction_bias
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if moe.router_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-        logits = F.linear(x.float(), self.weight)                                  # [T, E] float32
+        logits = F.linear(x.float(), self.weight, self.bias)                       # [T, E] float32
         if self.cfg.scoring == "softmax":
             return softmax_top_k(logits, self.cfg)
         return grouped_sigmoid_top_k(logits, self.e_score_correction_bias if self.cfg.correction_bias else None,
