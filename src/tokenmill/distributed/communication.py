@@ -8,9 +8,10 @@ from tokenmill.distributed.parallel_state import tensor_parallel
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the group's ranks, in place."""
+    """The sum of x over the group's ranks, in place (through shared memory where the group has it and x
+    fits, else the process group's all-reduce)."""
     tp = tensor_parallel()
-    if tp.size > 1:
+    if tp.size > 1 and not (tp.shm is not None and tp.shm.all_reduce(x)):
         import torch.distributed as dist
         dist.all_reduce(x, group=tp.group)
     return x

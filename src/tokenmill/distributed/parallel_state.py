@@ -15,6 +15,7 @@ class TensorParallelGroup:
     rank: int
     size: int
     group: object | None = None          # torch.distributed ProcessGroup; None when size == 1
+    shm: object | None = None            # shm_all_reduce.ShmAllReduce: the CPU ranks of one x86 host
 
 
 _TP = TensorParallelGroup(0, 1)
@@ -27,13 +28,18 @@ def tensor_parallel() -> TensorParallelGroup:
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
                          timeout_s: float = 60.0) -> TensorParallelGroup:
     """Join the group of `size` ranks (gloo on the CPU, NCCL on CUDA) that meet at `init_method`
-    (e.g. tcp://127.0.0.1:PORT). A collective that waits longer than `timeout_s` (a rank died) raises."""
+    (e.g. tcp://127.0.0.1:PORT). A collective that waits longer than `timeout_s` (a rank died) raises. CPU
+    ranks that all sit on one x86 host sum through shared memory (shm_all_reduce.py), gloo otherwise."""
     global _TP
     if size > 1:
         import torch.distributed as dist
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        _TP = TensorParallelGroup(rank, size, dist.group.WORLD)
+        shm = None
+        if backend == "gloo":                # gloo's all-reduce costs a millisecond on a small host
+            from tokenmill.distributed.shm_all_reduce import create_group_shm
+            shm = create_group_shm(rank, size, dist.group.WORLD, timeout_s=timeout_s)
+        _TP = TensorParallelGroup(rank, size, dist.group.WORLD, shm)
     else:
         _TP = TensorParallelGroup(0, 1)
     return _TP
