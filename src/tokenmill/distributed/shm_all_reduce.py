@@ -84,7 +84,7 @@ def create_group_shm(rank: int, size: int, group, capacity: int = CAPACITY_BYTES
             f.truncate(size * _COUNTER_STRIDE * 8 + 2 * size * capacity)
     dist.broadcast_object_list(path, src=0, group=group)
     shm = None
-    if path[0] is not None and shm_supported():
+    if path[0] is not None and shm_supported() and os.path.exists(path[0]):     # not there: another host
         try:
             shm = ShmAllReduce(path[0], rank, size, capacity, timeout_s)
         except (OSError, RuntimeError):
