@@ -90,7 +90,6 @@ class ModelConfig:
     qk_norm: bool = False            # RMSNorm on each q and k head before rotary (Qwen3)
     num_mtp_layers: int = 0          # DeepSeek's multi-token-prediction layers after the main ones
     kv_cache_dtype: torch.dtype | None = None   # None: dtype; torch.float8_e4m3fn: the FP8 cache (fp8_kv.py)
-    attention_sinks: bool = False    # gpt-oss: a learned logit per head joins every softmax (and takes no value)
     # tokens each layer attends back to (its own included), None: the whole context (gpt-oss alternates
     # sliding layers of 128 with full ones); () for every layer full
     layer_windows: tuple[int | None, ...] = ()
@@ -125,7 +124,6 @@ class ModelConfig:
             qk_norm=archs[0].startswith("Qwen3"),
             num_mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
             if archs[0].startswith("DeepseekV3") else 0,
-            attention_sinks=archs[0].startswith("GptOss"),
             layer_windows=_layer_windows(hf_config, archs[0]),
         )
 

@@ -9,7 +9,8 @@ import torch
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.quantize import quantize_model
 from tokenmill.quant import fp8
-from tokenmill.quant.scaled_mm_fp8 import FP8ScaledMMMethod, quantize_activations
+from tokenmill.quant.activations import fp8_codes as quantize_activations
+from tokenmill.quant.scaled_mm_fp8 import FP8ScaledMMMethod
 
 
 def _layer(n: int, k: int, seed: int) -> tuple[Linear, torch.Tensor]:

@@ -89,7 +89,6 @@ class GptOssForCausalLM(MoEMixin, LlamaForCausalLM):
 def _split_experts(prefix: str, name: str, kind: str, tensor):
     """One fused expert tensor -> (per-expert checkpoint name, ExpertPart) pairs, gate/up de-interleaved."""
     experts = tensor.shape[0]
-    packed = kind in ("_blocks", "_scales")
     suffix = {"": ".weight", "_bias": ".bias", "_blocks": ".weight_packed", "_scales": ".weight_scale"}[kind]
     # float weights are [E, in, out] (x @ W): transposed to [out, in]; biases [E, out]; MXFP4 [E, out, in...]
     transpose = kind == ""
@@ -97,7 +96,7 @@ def _split_experts(prefix: str, name: str, kind: str, tensor):
         else (("down_proj", slice(None)),)
     for e in range(experts):
         for part, rows in parts:
-            yield f"{prefix}.{e}.{part}{suffix}", ExpertPart(tensor, e, rows, transpose, packed and kind == "_blocks")
+            yield f"{prefix}.{e}.{part}{suffix}", ExpertPart(tensor, e, rows, transpose, kind == "_blocks")
 
 
 class ExpertPart:

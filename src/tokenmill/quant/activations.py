@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
+from tokenmill.quant.fp4 import E2M1_MAX, E4M3_MAX, e8m0_to_float, from_e2m1, mxfp4_exponents, to_e2m1
+
 _TINY = torch.finfo(torch.float32).tiny
 
 FORMATS = {"fp8": ("tensor", "token", "group"), "nvfp4": ("block",), "mxfp4": ("block",)}
@@ -67,49 +67,46 @@ class InputQuant:
 def quantize_dequantize(x: torch.Tensor, scheme: ActivationScheme, scale: float | None = None) -> torch.Tensor:
     """x [T, K] -> float32 [T, K]: the values x's codes under `scheme` stand for."""
     x = x.float()
+    t, k = x.shape
     if scheme.format == "fp8":
         if scheme.granularity == "tensor":
-            return fp8_round(x, torch.tensor(scale))
-        if scheme.granularity == "token":
-            return fp8_round(x, x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX)
-        return _by_blocks(x, scheme.group, lambda xb: fp8_round(xb, xb.abs().amax(dim=-1, keepdim=True) / E4M3_MAX))
+            return fp8_static_codes(x, scale).float() * scale
+        group = k if scheme.granularity == "token" else scheme.group
+        codes, scales = fp8_codes(x, group)
+        return (codes.float().view(t, k // group, group) * scales.unsqueeze(-1)).view(t, k)
     block = BLOCK[scheme.format]
+    _check_blocks(k, block)
+    xb = x.view(t, k // block, block)
     if scheme.format == "nvfp4":
-        return _by_blocks(x, block, lambda xb: _nvfp4_round(xb, scale))
-    return _by_blocks(x, block, _mxfp4_round)
+        g = torch.tensor(scale, dtype=torch.float32)
+        block_scale = (xb.abs().amax(dim=-1, keepdim=True) / E2M1_MAX / g).clamp(max=E4M3_MAX)
+        return _e2m1_round(xb, block_scale.to(torch.float8_e4m3fn).float() * g).view(t, k)
+    return _e2m1_round(xb, e8m0_to_float(mxfp4_exponents(x)).unsqueeze(-1)).view(t, k)
 
 
-def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale rounded to E4M3 (nearest, ties to even, saturating at +-448), times scale; 0 where scale is 0."""
-    safe = scale.clamp_min(_TINY)
-    q = (x / safe).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * safe
-    return torch.where(scale > 0, q, torch.zeros((), dtype=q.dtype))
+def fp8_codes(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8: x [M, K] -> (E4M3 codes [M, K], float32 scales [M, K / group]), scale = amax / 448 per
+    (row, group of inputs); x ~= codes * scale (an all-zero group: codes 0)."""
+    m, k = x.shape
+    _check_blocks(k, group)
+    xg = x.float().reshape(m, k // group, group)
+    scale = (xg.abs().amax(dim=2) / E4M3_MAX).clamp_min(_TINY)
+    codes = (xg / scale.unsqueeze(2)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(m, k), scale
 
 
-def _by_blocks(x: torch.Tensor, block: int, fn) -> torch.Tensor:
-    t, k = x.shape
+def fp8_static_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Static FP8: x [M, K] / scale rounded to E4M3 (nearest, ties to even, saturating at +-448)."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _check_blocks(k: int, block: int) -> None:
     if k % block:
         raise ValueError(f"block-wise activation quantization needs the input width {k} to be a multiple of {block}")
-    return fn(x.reshape(t, k // block, block)).reshape(t, k)
 
 
 def _e2m1_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    from tokenmill.quant.fp4 import from_e2m1, to_e2m1
+    """x / scale rounded to E2M1, times scale; 0 where the scale is 0 (an all-zero NVFP4 block)."""
     safe = scale.clamp_min(_TINY)
     q = from_e2m1(to_e2m1(x / safe)) * safe
     return torch.where(scale > 0, q, torch.zeros((), dtype=q.dtype))
-
-
-def _nvfp4_round(xb: torch.Tensor, global_scale: float) -> torch.Tensor:
-    """xb [T, B, 16]; global_scale the multiplier g: block scale E4M3(amax / 6 / g), applied times g."""
-    g = torch.tensor(global_scale, dtype=torch.float32)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    block = (amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return _e2m1_round(xb, block * g)
-
-
-def _mxfp4_round(xb: torch.Tensor) -> torch.Tensor:
-    """xb [T, B, 32]: scale 2^(floor(log2 amax) - 2), the exponent clamped to E8M0's range."""
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    exponent = (torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2).clamp(-127, 127)
-    return _e2m1_round(xb, torch.where(amax > 0, torch.exp2(exponent), torch.zeros(())))

@@ -16,18 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.quant.fp8 import E4M3_MAX, FP8Method
+from tokenmill.quant.activations import fp8_codes, fp8_static_codes
+from tokenmill.quant.fp8 import FP8Method
 
 ALIGN = 16          # cuBLAS FP8 GEMMs want every dimension a multiple of 16
-
-
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 codes [M, K], float32 scales [M, K / group]): x ~= codes * scale per (row, group)."""
-    m, k = x.shape
-    xg = x.float().reshape(m, k // group, group)
-    scale = (xg.abs().amax(dim=2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = (xg / scale.unsqueeze(2)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes.reshape(m, k), scale
 
 
 def _activations(x: torch.Tensor, kblock: int, input_quant) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -35,14 +27,13 @@ def _activations(x: torch.Tensor, kblock: int, input_quant) -> tuple[torch.Tenso
     one (a static scale: every row and group the same), else per token, or per kblock group for blocks."""
     m, k = x.shape
     if input_quant is None:
-        return (*quantize_activations(x, kblock), kblock)
+        return (*fp8_codes(x, kblock), kblock)
     scheme = input_quant.scheme
     if scheme.granularity == "tensor":
         scale = torch.full((m, 1), input_quant.scale, dtype=torch.float32, device=x.device)
-        codes = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        return codes, scale, k
+        return fp8_static_codes(x, input_quant.scale), scale, k
     group = scheme.group if scheme.granularity == "group" else k
-    return (*quantize_activations(x, group), group)
+    return (*fp8_codes(x, group), group)
 
 
 class FP8ScaledMMMethod(FP8Method):
