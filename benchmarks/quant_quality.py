@@ -13,7 +13,7 @@ Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's co
   prefix: the quantized model generates freely; tokens equal to fp32's up to the first divergence,
       over all 256 (strict: one early flip discounts the rest of that prompt).
 
-    .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8]
+    .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8,fp8,nvfp4,nvfp4-exact,mxfp4,mxfp4-exact]
 
 tests/quant/test_quality.py checks, for both paths: perplexity at most 3% above fp32, teacher-forced
 agreement >= 90%.
@@ -42,11 +42,24 @@ NUM_TOKENS = 32
 
 def make_llm(mode: str | None):
     """mode: a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the one-pass
-    prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache)."""
+    prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache), or
+    "nvfp4-exact" / "mxfp4-exact" (the FP4 formats' float32-activation reference modes; without the suffix
+    they run their int8-activation fast mode where the tile kernels exist)."""
     from tokenmill import LLM
+    from tokenmill.quant import fp4
     if mode == "fp8-kv":
         return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
-    return LLM(quantization=mode, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+    methods = {"nvfp4": fp4.NVFP4Method, "mxfp4": fp4.MXFP4Method}
+    base = mode.removesuffix("-exact") if mode else mode
+    exact = base in methods and mode.endswith("-exact")
+    saved = methods[base].int8_activations if base in methods else None
+    if exact:
+        methods[base].int8_activations = False
+    try:
+        return LLM(quantization=base, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+    finally:
+        if exact:
+            methods[base].int8_activations = saved
 
 
 @torch.inference_mode()
@@ -145,12 +158,12 @@ def main() -> None:
     results = evaluate(args.modes.split(","))
     n = results["fp32"]["num_text_tokens"]
     print(f"default model, perplexity over {n} tokens; greedy agreement over {len(PROMPTS)} x {NUM_TOKENS} tokens")
-    print(f"{'mode':6s} {'path':8s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
+    print(f"{'mode':11s} {'path':8s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
     for mode, r in results.items():
         for path in PATHS:
             p = r[path]
             prefix = f"{r['prefix']:7.1%}" if path == "decode" else ""
-            print(f"{mode:6s} {path:8s} {p['ppl']:8.3f} {p['ppl_rise']:+8.2%} {p['teacher_forced']:15.1%} {prefix:>7s}")
+            print(f"{mode:11s} {path:8s} {p['ppl']:8.3f} {p['ppl_rise']:+8.2%} {p['teacher_forced']:15.1%} {prefix:>7s}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """gpt-oss beyond the logits parity of test_moe_models.py: attention with sinks and a sliding window against a
 naive softmax over [scores, sink] (decode and prefill paths, a padded batch); gpt-oss's own MXFP4 checkpoint
 (experts as *_blocks / *_scales, written here with the test's own encoder) loads with the file's codes kept
-byte for byte and gives transformers' logits on the dequantized weights within 1e-4 and its greedy tokens;
+byte for byte and gives transformers' logits on the dequantized weights within 1e-4 and its greedy tokens
+(MXFP4's float32-activation reference; its int8-activation fast mode runs the experts' tiles, within 2%);
 tensor parallel is refused by name."""
 from __future__ import annotations
 
@@ -99,11 +100,13 @@ def _write_mxfp4(src: str, out: str) -> tuple[dict, dict]:
     return dequantized, blocks
 
 
-def test_the_mxfp4_checkpoint_keeps_its_codes_and_matches_transformers(tiny_model_factory, tmp_path):
+def test_the_mxfp4_checkpoint_keeps_its_codes_and_matches_transformers(tiny_model_factory, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
     src = tiny_model_factory("gpt_oss")
     out = str(tmp_path / "gpt-oss-mxfp4")
     dequantized, blocks = _write_mxfp4(src, out)
+    fast = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    monkeypatch.setattr(fp4.MXFP4Method, "int8_activations", False)      # the float32-activation reference
     llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     gate_up = model.model.layers[1].mlp.experts.get_submodule("2").gate_up_proj
@@ -125,6 +128,13 @@ def test_the_mxfp4_checkpoint_keeps_its_codes_and_matches_transformers(tiny_mode
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
     got = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert got[0].outputs[0].token_ids == greedy[0, n:].tolist()
+    # the fast mode: the experts run gemv_nvfp4 over tiles of the same codes, activations rounded to int8
+    fast_gate_up = fast.engine.core.runner.model.model.layers[1].mlp.experts.get_submodule("2").gate_up_proj
+    assert hasattr(fast_gate_up, "fp4_tiles") and not hasattr(fast_gate_up, "fp4_weight")
+    with torch.inference_mode():
+        hidden = fast.engine.core.runner.model(torch.tensor(PROMPT), slots, AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]))
+        fast_logits = fast.engine.core.runner.model.compute_logits(hidden[-1:])[0]
+    assert 0 < ((fast_logits - ref).norm() / ref.norm()).item() < 0.02
 
 
 def test_tensor_parallel_is_refused_by_name(tiny_model_factory):

@@ -26,8 +26,9 @@ E4M3 = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to
 
 @pytest.fixture(autouse=True)
 def float32_activations(monkeypatch):
-    """NVFP4 in its float32 reference mode: these tests check the formats' exact arithmetic."""
+    """NVFP4 and MXFP4 in their float32 reference modes: these tests check the formats' exact arithmetic."""
     monkeypatch.setattr(fp4.NVFP4Method, "int8_activations", False)
+    monkeypatch.setattr(fp4.MXFP4Method, "int8_activations", False)
 
 
 def _nearest(values: list[float], x: float) -> float:

@@ -25,8 +25,10 @@ PROMPT = [11, 220, 4890, 17, 9, 300, 5, 5, 1000, 2000, 3000, 4000]
 @pytest.fixture(autouse=True)
 def float32_activations(monkeypatch):
     """Every test here checks the formats' exact arithmetic: NVFP4 in its float32-activation reference mode
-    (its int8-activation tiles are tests/quant/test_nvfp4_tiles.py's)."""
+    and MXFP4 in their float32-activation reference modes (their int8-activation tiles are
+    tests/quant/test_fp4_tiles.py's)."""
     monkeypatch.setattr(fp4.NVFP4Method, "int8_activations", False)
+    monkeypatch.setattr(fp4.MXFP4Method, "int8_activations", False)
 VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]      # E2M1 magnitudes by code (the OCP MX spec's table)
 
 

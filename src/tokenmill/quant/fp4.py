@@ -13,13 +13,15 @@ nibble, as ModelOpt, compressed-tensors and the OCP MX spec pack them), decoded 
 Activations stay float32 there: the exact reference of each format. Without the native build, `apply`
 dequantizes per call (slow, exact). A tied head gets an int8 copy, as with int4 and fp8.
 
-NVFP4's fast mode, where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py): every step
+The fast mode of both, where the native tile kernels exist (AVX-512 VNNI, quant/tile_kernels.py): every step
 runs csrc/gemv_kernels.cpp's gemv_nvfp4 over the weight in its tile layout (`fp4_tiles`, 4.5 bits a weight:
-the codes and E4M3 scale bytes as they are, the only copy then kept), with activations quantized to int8
-per 32 as int4's tiles take them; 2 x E2M1 is an integer, so the products are exact integer dot products
-and the one difference from the reference is the activations' int8 rounding. `NVFP4Method(
-int8_activations=False)` keeps the float32-activation reference instead (the class attribute of that name
-sets it for every engine built after).
+the codes and E4M3 scale bytes, the only copy then kept), with activations quantized to int8 per 32 as
+int4's tiles take them; 2 x E2M1 is an integer, so the products are exact integer dot products and the one
+difference from the reference is the activations' int8 rounding. MXFP4 enters it through
+`mxfp4_as_nvfp4`: its power-of-two scale of each block of 32 is the same E4M3 scale on both halves under a
+power-of-two row scale, exact while a row's scales span at most 2^17 (a layer where they do not keeps the
+grouped kernel). `NVFP4Method(int8_activations=False)` (and MXFP4's) keeps the float32-activation
+reference instead (the class attribute of that name sets it for every engine built after).
 """
 from __future__ import annotations
 
@@ -82,6 +84,27 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e.float() - 127)
 
 
+def mxfp4_as_nvfp4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MXFP4 codes [N, K / 2] with power-of-two scales [N, K / 32] float32 -> the same weights as NVFP4 keeps
+    them: (E4M3 block scales [N, K / 16], each block of 32's scale twice; float32 row scale [N] = 2^(m - 8),
+    m = log2 of the row's largest scale). E4M3 holds every power of two from 2^-9 (a subnormal) to 2^8, so
+    a block is exact where its scale is within 2^17 of its row's largest; a block of zero codes may take any
+    scale (its weights are 0 whatever it is). None where a block holding a nonzero code falls outside, or
+    a scale is not a power of two."""
+    n, groups = scales.shape
+    exponent = torch.log2(scales.float())
+    if not bool(torch.isfinite(exponent).all()) or not torch.equal(exponent.round(), exponent):
+        return None
+    holds_value = (unpack(packed).view(n, groups, 32) & 7).amax(dim=2) > 0               # [N, K / 32]
+    top = torch.where(holds_value, exponent, float("-inf")).amax(dim=1)
+    top = torch.where(torch.isfinite(top), top, 0.0)                  # a row of zeros: any scale
+    relative = exponent - top[:, None] + 8                             # the E4M3 scale's exponent
+    if bool((holds_value & (relative < -9)).any()):
+        return None
+    block_scale = torch.exp2(relative.clamp(-9, 8)).to(torch.float8_e4m3fn).repeat_interleave(2, dim=1)
+    return block_scale, torch.exp2(top - 8)
+
+
 def quantize(w: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """w [n, K] / its float32 scales [n, K / block] -> packed codes [n, K / 2] (a zero scale gives code 0)."""
     full = scales.repeat_interleave(block, dim=1)
@@ -126,10 +149,28 @@ class FP4Method(QuantMethod):
     """The shared part of NVFP4 and MXFP4: packed E2M1 codes [1, N, K / 2] (`fp4_weight`) and their scales
     (`fp4_scale`): float32 [1, N, K / block], or, where every row's scales are E4M3 values times one tensor
     scale (NVFP4), float8_e4m3fn [1, N, K / block] with `fp4_row_scale` float32 [1, N] (a quarter of the
-    scale bytes; the kernel multiplies them back). The grouped GEMM kernel runs on them."""
+    scale bytes; the kernel multiplies them back). The grouped GEMM kernel runs on them.
+
+    The fast mode (`int8_activations`, where the tile kernels exist): a layer whose scales read as E4M3 blocks
+    of 16 under a row scale (tile_scales) keeps only gemv_nvfp4's tiles and runs them at every step size."""
     block = 0
     quantize_tied_lm_head = True
     lm_head_method = "int8"          # as int4 and fp8: the head is the layer most sensitive to weight error
+    tile_max_rows = tile_kernels.ANY_ROWS
+    int8_activations = False
+
+    def __init__(self, int8_activations: bool | None = None) -> None:
+        if int8_activations is not None:
+            self.int8_activations = int8_activations
+
+    def tile_scales(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's scales as gemv_nvfp4's tiles hold them: (E4M3 block scales [N, K / 16] float8_e4m3fn,
+        float32 row scale [N]) giving back exactly the scales it has, or None where they cannot."""
+        return None
+
+    def uses_tiles(self, layer) -> bool:
+        """Whether every step of this layer may run gemv_nvfp4: the fast mode, the kernels, 32 | in_features."""
+        return self.int8_activations and tile_kernels.kernels() is not None and layer.in_features % 32 == 0
 
     def check_shape(self, layer) -> None:
         if layer.in_features % self.block:
@@ -160,7 +201,8 @@ class FP4Method(QuantMethod):
         return scales, None if torch.isnan(rows_scale).any() else rows_scale
 
     def process_weights_after_loading(self, layer) -> None:
-        if getattr(layer, "fp4_weight", None) is None:          # not already given the checkpoint's codes
+        given = getattr(layer, "fp4_weight", None) is not None or getattr(layer, "fp4_tiles", None) is not None
+        if not given:                                            # not already given the checkpoint's codes
             w = layer.weight.data.float()
             if getattr(layer, "checkpoint_fp4", None):
                 scales, rows_scale = self.checkpoint_scales(layer)
@@ -175,6 +217,11 @@ class FP4Method(QuantMethod):
         self._register(layer, assemble_codes(layer, codes, self.name), *self.checkpoint_scales(layer))
 
     def _register(self, layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
+        self._keep_codes(layer, packed, scales, rows_scale)
+        self._pack_tiles(layer)
+
+    @staticmethod
+    def _keep_codes(layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
         """packed [N, K/2]; scales [N, K/block] float32; rows_scale [N]: scales are E4M3 values times it (then
         kept as E4M3 bytes where that gives them back to float32 rounding), or None."""
         layer.register_buffer("fp4_weight", packed.unsqueeze(0).contiguous(), persistent=False)          # [1, N, K/2]
@@ -189,6 +236,20 @@ class FP4Method(QuantMethod):
         layer.register_buffer("fp4_scale", scales.unsqueeze(0).contiguous(), persistent=False)            # [1, N, K/b]
         layer.fp4_row_scale = None
 
+    def _pack_tiles(self, layer) -> None:
+        """In the fast mode, the tiles become the layer's only copy of its weight (where its scales allow)."""
+        found = self.tile_scales(layer) if self.uses_tiles(layer) else None
+        if found is None:
+            return
+        tiles, tile_scale = pack_nvfp4_tiles(layer.fp4_weight[0], *found)
+        layer.register_buffer("fp4_tiles", tiles, persistent=False)
+        layer.register_buffer("fp4_tile_scale", tile_scale, persistent=False)
+        del layer.fp4_weight, layer.fp4_scale, layer.fp4_row_scale                # the tiles are the copy
+
+    def tile_weights(self, layer):
+        tiles = getattr(layer, "fp4_tiles", None)
+        return None if tiles is None else ("nvfp4", tiles, layer.fp4_tile_scale)
+
     @staticmethod
     def float_scales(layer) -> torch.Tensor:
         """The layer's scales as float32 [N, K / block], whichever form it keeps them in."""
@@ -196,6 +257,9 @@ class FP4Method(QuantMethod):
         return scales if layer.fp4_row_scale is None else scales * layer.fp4_row_scale[0].reshape(-1, 1)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "fp4_tiles", None) is not None:
+            return self.add_bias(layer, tile_kernels.kernels().gemv_nvfp4(x.float().contiguous(), layer.fp4_tiles,
+                                                                          layer.fp4_tile_scale, layer.out_features))
         from tokenmill.quant.fp8 import grouped_linear
         y = grouped_linear(x, layer.fp4_weight, layer.fp4_scale, self.block,
                            lambda: dequantize(layer.fp4_weight[0], self.float_scales(layer), self.block),
@@ -206,36 +270,13 @@ class FP4Method(QuantMethod):
 class NVFP4Method(FP4Method):
     name = "nvfp4"
     block = 16
-    tile_max_rows = tile_kernels.ANY_ROWS
     int8_activations = True            # the fast mode where the tile kernels exist (the default for every engine)
 
-    def __init__(self, int8_activations: bool | None = None) -> None:
-        if int8_activations is not None:
-            self.int8_activations = int8_activations
-
-    def uses_tiles(self, layer) -> bool:
-        """Whether every step of this layer runs gemv_nvfp4: the fast mode, the kernels, 32 | in_features,
-        and scales kept as E4M3 bytes times a row scale (the tiles hold those bytes)."""
-        return (self.int8_activations and tile_kernels.kernels() is not None and layer.in_features % 32 == 0
-                and layer.fp4_scale.dtype == torch.float8_e4m3fn)
-
-    def _register(self, layer, packed: torch.Tensor, scales: torch.Tensor, rows_scale: torch.Tensor | None) -> None:
-        super()._register(layer, packed, scales, rows_scale)
-        if self.uses_tiles(layer):
-            tiles, tile_scale = pack_nvfp4_tiles(layer.fp4_weight[0], layer.fp4_scale[0], layer.fp4_row_scale[0])
-            layer.register_buffer("fp4_tiles", tiles, persistent=False)
-            layer.register_buffer("fp4_tile_scale", tile_scale, persistent=False)
-            del layer.fp4_weight, layer.fp4_scale, layer.fp4_row_scale                # the tiles are the copy
-
-    def tile_weights(self, layer):
-        tiles = getattr(layer, "fp4_tiles", None)
-        return None if tiles is None else ("nvfp4", tiles, layer.fp4_tile_scale)
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if getattr(layer, "fp4_tiles", None) is not None:
-            return self.add_bias(layer, tile_kernels.kernels().gemv_nvfp4(x.float().contiguous(), layer.fp4_tiles,
-                                                                          layer.fp4_tile_scale, layer.out_features))
-        return super().apply(layer, x)
+    def tile_scales(self, layer):
+        """The tiles take NVFP4's own scales where they are kept as E4M3 bytes times a row scale."""
+        if layer.fp4_scale.dtype != torch.float8_e4m3fn:
+            return None
+        return layer.fp4_scale[0], layer.fp4_row_scale[0]
 
     def block_scales(self, w: torch.Tensor) -> torch.Tensor:
         block_scale, tensor_scale = nvfp4_scales(w)
@@ -248,6 +289,11 @@ class NVFP4Method(FP4Method):
 class MXFP4Method(FP4Method):
     name = "mxfp4"
     block = 32
+    int8_activations = True            # the fast mode where the tile kernels exist (the default for every engine)
+
+    def tile_scales(self, layer):
+        """MXFP4's power-of-two scales re-expressed as NVFP4's (mxfp4_as_nvfp4), where that is exact."""
+        return mxfp4_as_nvfp4(layer.fp4_weight[0], layer.fp4_scale[0])
 
     def block_scales(self, w: torch.Tensor) -> torch.Tensor:
         return e8m0_to_float(mxfp4_exponents(w))

@@ -1,7 +1,9 @@
-"""NVFP4's fast mode on the native tile kernels (csrc/gemv_kernels.cpp gemv_nvfp4): exactly the dequantized
-weight times activations quantized to int8 per group of 32 (float64 reference), every E2M1 code and E4M3
-scale byte included; the tile layout; Linear keeping only the tiles and running them at every step size; the
-fused decode program taking NVFP4 layers; an engine in the fast mode close to the reference mode."""
+"""NVFP4's and MXFP4's fast mode on the native tile kernels (csrc/gemv_kernels.cpp gemv_nvfp4): exactly the
+dequantized weight times activations quantized to int8 per group of 32 (float64 reference), every E2M1 code
+and E4M3 scale byte included; the tile layout; MXFP4's power-of-two scales re-expressed as E4M3 blocks under a
+row scale exactly (or refused, and the layer left on the grouped kernel); Linear keeping only the tiles and
+running them at every step size; the fused decode program taking FP4 layers; an engine in the fast mode
+close to the reference mode."""
 from __future__ import annotations
 
 import pytest
@@ -66,8 +68,54 @@ def test_tiles_hold_the_codes_and_scale_bytes_as_they_are():
     assert (scale.view(torch.uint8) >> 7).any()      # the case above was exercised
 
 
+def _random_mxfp4(n: int, k: int, seed: int, spread: int = 17):
+    """Codes and power-of-two scales [n, k / 32]: per row, exponents over `spread` + 1 binades around a row
+    offset (-100 .. 100), and some blocks of zero codes with scales far outside that range."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    exponent = torch.randint(-100, 100, (n, 1), generator=g) + torch.randint(0, spread + 1, (n, k // 32), generator=g)
+    zero = torch.rand(n, k // 32, generator=g) < 0.2
+    exponent = torch.where(zero, exponent - 40, exponent)
+    codes.view(n, k // 32, 32)[zero] = torch.randint(0, 2, (int(zero.sum()), 32), dtype=torch.uint8, generator=g) * 8
+    return fp4.pack(codes), torch.exp2(exponent.float())              # codes 0 / 8: +0 / -0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mxfp4_scales_as_nvfp4_give_back_every_weight(seed):
+    packed, scales = _random_mxfp4(40, 256, seed)
+    block_scale, row_scale = fp4.mxfp4_as_nvfp4(packed, scales)
+    assert block_scale.dtype == torch.float8_e4m3fn and block_scale.shape == (40, 16) and row_scale.shape == (40,)
+    as_nvfp4 = fp4.dequantize(packed, block_scale.float() * row_scale[:, None], 16)
+    assert torch.equal(as_nvfp4, fp4.dequantize(packed, scales, 32))
+    rows = torch.log2(row_scale)
+    assert torch.equal(rows, rows.round())                            # a power of two: the kernel's product is exact
+
+
+def test_mxfp4_scales_outside_e4m3s_range_are_refused_and_the_layer_keeps_the_grouped_kernel():
+    packed, scales = _random_mxfp4(16, 64, 0, spread=0)
+    codes = fp4.unpack(packed)
+    codes[3, :32] = 2                                                  # a block that holds values, 2^18 below
+    scales[3, 0], scales[3, 1] = 2.0 ** -20, 2.0 ** -2
+    codes[3, 32:] = 2
+    packed = fp4.pack(codes)
+    assert fp4.mxfp4_as_nvfp4(packed, scales) is None
+    assert fp4.mxfp4_as_nvfp4(packed, scales * 1.5) is None            # not powers of two
+    scales[3, 0] = 2.0 ** -19                                          # 2^17 below: E4M3's smallest subnormal
+    assert fp4.mxfp4_as_nvfp4(packed, scales) is not None
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    w[3, :32] *= 2.0 ** -24                                            # quantized at load: scales 2^24 apart
+    layer = Linear(64, 16)
+    layer.weight.data.copy_(w)
+    layer.set_quant_method(fp4.MXFP4Method())
+    assert hasattr(layer, "fp4_weight") and not hasattr(layer, "fp4_tiles") and layer.tile_fn is None
+    x = torch.randn(3, 64)
+    ref = x @ fp4.dequantize(layer.fp4_weight[0], fp4.FP4Method.float_scales(layer), 32).T
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,block", [("nvfp4", 16), ("mxfp4", 32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_keeps_only_the_tiles_and_runs_them_at_every_step_size(bias):
+def test_linear_keeps_only_the_tiles_and_runs_them_at_every_step_size(method, block, bias):
     g = torch.Generator().manual_seed(4)
     layer = Linear(96, 40, bias=bias)
     layer.weight.data.copy_(torch.randn(40, 96, generator=g))
@@ -75,11 +123,12 @@ def test_linear_keeps_only_the_tiles_and_runs_them_at_every_step_size(bias):
         layer.bias.data.copy_(torch.randn(40, generator=g))
     reference = Linear(96, 40, bias=bias)
     reference.load_state_dict(layer.state_dict())
-    layer.set_quant_method(fp4.NVFP4Method())
-    reference.set_quant_method(fp4.NVFP4Method(int8_activations=False))
+    cls = {"nvfp4": fp4.NVFP4Method, "mxfp4": fp4.MXFP4Method}[method]
+    layer.set_quant_method(cls())
+    reference.set_quant_method(cls(int8_activations=False))
     assert layer.fp4_tiles.dtype == torch.uint8 and not hasattr(layer, "fp4_weight")
     assert layer.quant_method.tile_weights(layer)[0] == "nvfp4" and layer.tile_max_rows > 10 ** 6
-    w = fp4.dequantize(reference.fp4_weight[0], fp4.FP4Method.float_scales(reference), 16).double()
+    w = fp4.dequantize(reference.fp4_weight[0], fp4.FP4Method.float_scales(reference), block).double()
     for rows in (1, 2, 7, 300):
         x = torch.randn(rows, 96, generator=g)
         ref = quantized_activations(x) @ w.T + (reference.bias.double() if bias else 0)
@@ -87,14 +136,15 @@ def test_linear_keeps_only_the_tiles_and_runs_them_at_every_step_size(bias):
         assert rel_err(layer.quant_method.apply(layer, x), ref) < 1e-5
 
 
-def test_fast_mode_engine_stays_close_to_the_reference_and_decodes_natively(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_fast_mode_engine_stays_close_to_the_reference_and_decodes_natively(tiny_model_factory, monkeypatch, method):
     from tokenmill import LLM, SamplingParams
     from test_engine_quant import prompt_logits
     model_dir = tiny_model_factory("llama", tie_word_embeddings=False)
     ids = torch.randint(100, 40000, (24,), generator=torch.Generator().manual_seed(0)).tolist()
-    fast = LLM(model_dir, quantization="nvfp4", kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
-    monkeypatch.setattr(fp4.NVFP4Method, "int8_activations", False)
-    exact = LLM(model_dir, quantization="nvfp4", kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    fast = LLM(model_dir, quantization=method, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    monkeypatch.setattr({"nvfp4": fp4.NVFP4Method, "mxfp4": fp4.MXFP4Method}[method], "int8_activations", False)
+    exact = LLM(model_dir, quantization=method, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
     down = fast.engine.core.runner.model.model.layers[0].mlp.down_proj
     assert hasattr(down, "fp4_tiles") and hasattr(exact.engine.core.runner.model.model.layers[0].mlp.down_proj,
                                                   "fp4_weight")
@@ -104,4 +154,4 @@ def test_fast_mode_engine_stays_close_to_the_reference_and_decodes_natively(tiny
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     fast.generate([ids], params)
     program = fast.engine.core.runner.fused_decode
-    assert program is not None and program.steps > 0                     # NVFP4 layers in the native decode layer
+    assert program is not None and program.steps > 0                     # FP4 layers in the native decode layer
