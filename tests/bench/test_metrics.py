@@ -97,5 +97,27 @@ def test_the_step_time_model_is_read_from_a_tokenmill_servers_metrics():
         'tokenmill:step_time_model_observations_total{model_name="m"} 42.0'])
     model = step_time_model_from_metrics(text)
     assert model["coefficients"]["intercept"] == 0.05 and model["observations"] == 42
-    assert model["per_1k_context_reads_ms"] == pytest.approx(1.0)
+    assert model["per_1k_context_reads_ms"] == pytest.approx(1.0) and model["replicas"] == 1
     assert step_time_model_from_metrics("vllm:num_requests_running 3") is None
+    replicated = step_time_model_from_metrics(text + '\ntokenmill:step_time_model_replicas{model_name="m"} 2.0')
+    assert replicated["replicas"] == 2
+
+
+def test_the_step_time_bound_of_data_parallel_replicas_is_theirs_together():
+    """Each replica runs its own steps within the TPOT limit: N replicas allow N times one's rows and tok/s."""
+    from types import SimpleNamespace
+    from tokenmill.bench.workflows import bound_section, step_time_bound
+    coefficients = {"intercept": 0.02, "per_decode_row": 0.002, "per_prefill_token": 0.0005, "per_context_read": 1e-7}
+    records = [SimpleNamespace(ok=True, num_prompt_tokens=128, num_output_tokens=128)] * 4
+
+    def bound(replicas):
+        server = SimpleNamespace(extra={"step_time_model": {"coefficients": coefficients, "replicas": replicas}},
+                                 result=SimpleNamespace(records=records, metrics=SimpleNamespace(completed_tokens_per_s=300.0)))
+        return step_time_bound(server, 100.0)
+
+    one, two = bound(1), bound(2)
+    assert one["replicas"] == 1 and two["replicas"] == 2
+    for key in ("rows", "tokens_per_s", "unbounded_batch_tokens_per_s"):
+        assert two[key] == pytest.approx(2 * one[key])
+    assert two["fraction_reached"] == pytest.approx(one["fraction_reached"] / 2)
+    assert f"{one['rows']:.1f} decode rows per 100 ms step in each of 2 replicas" in bound_section(two)[0]

@@ -1,6 +1,7 @@
 """Data parallel on this CPU: two engine-core processes behind one LLM give one engine's greedy tokens,
 share the requests and free every block after 64 concurrent streams; a replica killed mid-load ends its
-own requests with an error naming it while the other keeps serving; too many replicas fail at start-up."""
+own requests with an error naming it while the other keeps serving; the step-time model reports the live
+replicas; too many replicas fail at start-up."""
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +35,8 @@ def test_two_replicas_give_one_engines_tokens(tiny_model_factory, dp_llm):
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     sent = dp_llm.engine.core.router.admitted_total
     assert min(sent.values()) >= 3, sent                        # both replicas took a share
+    model = dp_llm.engine.step_time_model()
+    assert model["replicas"] == 2 and set(model["coefficients"]) >= {"intercept", "per_decode_row"}
 
 
 @needs_two_cores
@@ -90,6 +93,7 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
         assert all(len(o.outputs[0].token_ids) == 300 for rid, o in outs.items() if rid not in failed)
         later = llm.generate([[9, 9, 9]], GREEDY)[0]                 # the survivor keeps serving
         assert later.error is None and len(later.outputs[0].token_ids) == 8
+        assert engine.step_time_model()["replicas"] == 1             # the step-time bound counts the live ones
     finally:
         llm.shutdown()
 

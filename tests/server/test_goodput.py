@@ -80,5 +80,6 @@ def test_metrics_show_the_step_time_model_of_an_slo_server(tiny_model_dir, tmp_p
         assert terms["intercept"] > 0 and all(v >= 0 for v in terms.values())
         observed = [float(l.split()[-1]) for l in lines if l.startswith("tokenmill:step_time_model_observations")]
         assert observed and observed[0] >= 4
+        assert [l.split()[-1] for l in lines if l.startswith("tokenmill:step_time_model_replicas")] == ["1.0"]
     finally:
         engine.shutdown()

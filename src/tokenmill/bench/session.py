@@ -151,19 +151,21 @@ def _server_metrics(sut: SUT) -> str | None:
 def step_time_model_from_metrics(text: str) -> dict | None:
     """Parse `<prefix>step_time_model_seconds{...,term="T"} v` lines (server/metrics.py) into the shape of
     LLMEngine.step_time_model()."""
-    coeffs, observations = {}, None
+    coeffs, observations, replicas = {}, None, 1
     for line in text.splitlines():
         name = line.split("{", 1)[0]
         if name.endswith("step_time_model_seconds") and 'term="' in line:
             coeffs[line.split('term="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
         elif name.endswith("step_time_model_observations_total"):
             observations = int(float(line.rsplit(" ", 1)[1]))
+        elif name.endswith("step_time_model_replicas"):
+            replicas = int(float(line.rsplit(" ", 1)[1]))
     if set(coeffs) != {"intercept", "per_decode_row", "per_prefill_token", "per_context_read"}:
         return None
     return {"coefficients": coeffs, "intercept_ms": 1e3 * coeffs["intercept"],
             "per_decode_row_ms": 1e3 * coeffs["per_decode_row"], "per_prefill_token_ms": 1e3 * coeffs["per_prefill_token"],
             "per_1k_context_reads_ms": 1e6 * coeffs["per_context_read"], "observations": observations,
-            "source": "server /metrics", "policy": "server's"}
+            "replicas": replicas, "source": "server /metrics", "policy": "server's"}
 
 
 def engine_spec_decode(sut: SUT) -> dict | None:

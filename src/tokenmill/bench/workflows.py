@@ -26,7 +26,8 @@ def ratio_section(server: Outcome | None, offline: Outcome | None) -> tuple[list
 
 def step_time_bound(server: Outcome | None, tpot_limit_ms: float | None) -> dict | None:
     """What the engine's step-time model (after the run) says is the best completed tokens/s with every step
-    within the TPOT limit, for this run's mean prompt and output lengths (core.step_time.server_bound)."""
+    within the TPOT limit, for this run's mean prompt and output lengths (core.step_time.server_bound): one
+    replica's bound times the data-parallel replicas that each run such steps."""
     model = server.extra.get("step_time_model") if server else None
     done = [r for r in server.result.records if r.ok] if server else []
     if not model or not done or not tpot_limit_ms:
@@ -35,6 +36,10 @@ def step_time_bound(server: Outcome | None, tpot_limit_ms: float | None) -> dict
     prompt = sum(r.num_prompt_tokens or 0 for r in done) / len(done)
     output = sum(r.num_output_tokens for r in done) / len(done)
     bound = server_bound(StepTimeModel(prior=model["coefficients"]), prompt, output, tpot_limit_ms / 1e3)
+    replicas = int(model.get("replicas", 1))
+    for key in ("rows", "tokens_per_s", "unbounded_batch_tokens_per_s"):
+        bound[key] *= replicas
+    bound["replicas"] = replicas
     reached = server.result.metrics.completed_tokens_per_s
     bound["fraction_reached"] = reached / bound["tokens_per_s"] if reached and bound["tokens_per_s"] else None
     return bound
@@ -43,9 +48,11 @@ def step_time_bound(server: Outcome | None, tpot_limit_ms: float | None) -> dict
 def bound_section(bound: dict | None) -> list[str]:
     if bound is None:
         return []
-    return [f"**Step-time bound: {_fmt(bound['tokens_per_s'])} tokens/s** ({bound['rows']:.1f} decode rows per "
-            f"{1e3 * bound['step_s']:.0f} ms step, each carrying its share of {bound['prompt_len']:.0f}-token "
-            f"prefills, for {bound['output_len']:.0f}-token outputs; an unbounded batch would allow "
+    replicas = bound.get("replicas", 1)
+    each = f" in each of {replicas} replicas" if replicas > 1 else ""
+    return [f"**Step-time bound: {_fmt(bound['tokens_per_s'])} tokens/s** ({bound['rows'] / replicas:.1f} decode "
+            f"rows per {1e3 * bound['step_s']:.0f} ms step{each}, each carrying its share of "
+            f"{bound['prompt_len']:.0f}-token prefills, for {bound['output_len']:.0f}-token outputs; an unbounded batch would allow "
             f"{_fmt(bound['unbounded_batch_tokens_per_s'])}). The Server peak reached "
             f"{_fmt(100 * bound['fraction_reached'] if bound['fraction_reached'] else None, 1)}% of it.", ""]
 

@@ -319,8 +319,9 @@ class LLMEngine:
                 "num_kv_blocks": self.config.cache.num_blocks, "block_size": self.config.cache.block_size}
 
     def step_time_model(self) -> dict:
-        """The step-time model now: coefficients (ms per unit), observations, and where its prior came from."""
-        return {**self.core.step_model.describe(), "source": self.step_model_source,
+        """The step-time model now: coefficients (ms per unit), observations, where its prior came from, and
+        `replicas`: how many data-parallel replicas each run steps like it (1 without data parallel)."""
+        return {"replicas": 1, **self.core.step_model.describe(), "source": self.step_model_source,
                 "policy": self.config.scheduler.policy}
 
     def replica_stats(self) -> list[EngineStats | None]:

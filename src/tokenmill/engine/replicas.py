@@ -68,13 +68,15 @@ def compact_update(u: CoreUpdate) -> ReplicaUpdate:
 
 
 class _StepModelView:
-    """What LLMEngine.step_time_model reads: a replica's step-time model, as it last reported it."""
+    """What LLMEngine.step_time_model reads: a replica's step-time model, as it last reported it, and how
+    many live replicas run steps like it (each its own, side by side: a bound of one times that many)."""
 
-    def __init__(self) -> None:
+    def __init__(self, core: "ReplicatedCore") -> None:
         self.description: dict = {}
+        self.core = core
 
     def describe(self) -> dict:
-        return dict(self.description)
+        return {**self.description, "replicas": sum(r.alive for r in self.core.replicas)}
 
 
 class _WeightBytes:
@@ -120,7 +122,7 @@ class ReplicatedCore:
             self.replicas.append(_Replica(i, link))
         self.router = Router(num_replicas, config.cache.block_size if enable_prefix_caching else 0)
         self.requests: dict[str, tuple[Request, _Replica]] = {}
-        self.step_model = _StepModelView()                   # the first live replica's, as last reported
+        self.step_model = _StepModelView(self)               # the first live replica's, as last reported
         self._closed = False
         try:
             ready = [r.link.wait_ready(self.start_timeout_s) for r in self.replicas]

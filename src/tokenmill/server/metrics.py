@@ -203,3 +203,8 @@ class EngineStatsCollector(Collector):
                                 labels=["model_name"])
         n.add_metric([self.model_name], float(model["observations"]))
         yield n
+        r = GaugeMetricFamily(self.prefix + "step_time_model_replicas",
+                              "Live data-parallel replicas that each run steps as the step-time model describes",
+                              labels=["model_name"])
+        r.add_metric([self.model_name], float(model.get("replicas", 1)))
+        yield r
