@@ -87,9 +87,6 @@ class LLMEngine:
         model = ModelConfig.from_hf(source.hf_config, args.torch_dtype(self.platform.default_dtype))
         eos = tuple(dict.fromkeys(model.eos_token_ids + source.extra_eos_ids))
         model = replace(model, eos_token_ids=eos, kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype))
-        if model.kv_cache_dtype is not None and model.mla is not None:
-            raise ValueError("kv_cache_dtype='fp8' is not supported for MLA models (DeepSeek's latent cache) yet; "
-                             "use kv_cache_dtype='auto'")
         max_len = args.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "

@@ -81,6 +81,7 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         self.backend = None                              # an MLA backend, bound by the model runner
         self.latent_cache: torch.Tensor | None = None    # [1, num_slots, kv_lora_rank + qk_rope_head_dim]
+        self.kv_scales = None                            # fp8_kv.KVScales (latent, rope key) when the cache is FP8
 
     def cache_spec(self):
         return latent_spec(self.mla.latent_dim)
@@ -105,7 +106,7 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rotary(rope, q_pe, k_pe)
         w_uk, w_uv = self.absorbed_weights()
         out = self.backend.forward(q_nope, q_pe, latent, k_pe.squeeze(1), w_uk, w_uv, self.latent_cache, meta,
-                                   self.scale)
+                                   self.scale, self.kv_scales)
         if keep_rows is not None:
             out = out[keep_rows]
         return self.o_proj(out)
