@@ -1,5 +1,6 @@
 """The Triton paged attention kernels against the reference backend, on small shapes: block boundaries,
-partial blocks, grouped-query heads, several sequences, scattered block tables, context splits. On a
+partial blocks, grouped-query heads, several sequences, scattered block tables, context splits; gpt-oss's sinks
+and sliding windows against layers/attention/sinks.py's torch path. On a
 machine without a GPU they run under Triton's interpreter (TRITON_INTERPRET=1); with one, on the GPU."""
 from __future__ import annotations
 
@@ -100,10 +101,13 @@ def test_bad_shapes_are_a_clear_error():
                                torch.ones(1, dtype=torch.int32), 6, 0.1)
 
 
-def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_dir):
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_factory, arch):
     """End to end on a tiny model: decodes, prefill chunks split by a small token budget (continuations
-    over a cached prefix), prefix-cache hits on the second pass; same tokens and logprobs as the reference."""
+    over a cached prefix), prefix-cache hits on the second pass; same tokens and logprobs as the reference
+    (gpt-oss: its sinks and a window of 4 on layer 0 in the kernels, against sinks.py's torch ops)."""
     from tokenmill import LLM, SamplingParams
+    tiny_model_dir = tiny_model_factory(arch)
     prompts = ["a short one", "a somewhat longer prompt that the small token budget prefills in chunks " * 2,
                [5, 6, 7, 8, 9, 10, 11, 12, 13]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
@@ -155,4 +159,53 @@ def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
     out = paged_prefill_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE), as_tensor(starts),
                                   as_tensor(query_lens), as_tensor(ctx), block_size, scale, max(query_lens),
                                   kv_scales=scales.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale, sinks, window,
+                    monkeypatch):
+    """layers/attention/sinks.py's torch path over the same cache (every sequence as a chunk)."""
+    from tokenmill.layers.attention import sinks as sink_module
+    seqs = []
+    for i, (start, qlen, clen) in enumerate(zip(starts, query_lens, context_lens)):
+        pos = torch.arange(clen)
+        seqs.append(SeqSpan(start, qlen, clen, tables[i, pos // block_size].long() * block_size + pos % block_size))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), seqs=seqs)
+    monkeypatch.setattr(sink_module, "_native_kernels", lambda *a: None)
+    return sink_module.sink_attention(q, k_cache, v_cache, meta, scale, sinks, window).view(q.shape)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 17])
+def test_decode_kernel_takes_sinks_and_windows(window, monkeypatch):
+    """gpt-oss: splits wholly before a window read nothing; the sinks join the merged softmax."""
+    kv_heads, group, head_dim, block_size, num_blocks = 2, 2, 64, 8, 40
+    context_lens = [1, 40, 3, 64]
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=5)
+    tables = _tables(context_lens, block_size, num_blocks, g)
+    q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=g)
+    sinks = torch.randn(kv_heads * group, generator=g) * 3
+    ref = _sink_reference(q, k_cache, v_cache, tables, list(range(4)), [1] * 4, context_lens, block_size, 0.125,
+                          sinks, window, monkeypatch)
+    out = paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                                 torch.tensor(context_lens, dtype=torch.int32).to(DEVICE), block_size, 0.125,
+                                 num_splits=3, sinks=sinks.to(DEVICE), window=window)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 17])
+def test_prefill_kernel_takes_sinks_and_windows(window, monkeypatch):
+    kv_heads, group, head_dim, block_size, num_blocks = 1, 4, 64, 8, 30
+    chunks = [(7, 9), (0, 33), (30, 2)]
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=9)
+    query_lens, context_lens = [n for _, n in chunks], [s + n for s, n in chunks]
+    starts = [sum(query_lens[:i]) for i in range(len(chunks))]
+    tables = _tables(context_lens, block_size, num_blocks, g)
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    sinks = torch.randn(kv_heads * group, generator=g) * 3
+    ref = _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, 0.125, sinks,
+                          window, monkeypatch)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = paged_prefill_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                                  as_tensor(starts), as_tensor(query_lens), as_tensor(context_lens), block_size,
+                                  0.125, max(query_lens), sinks=sinks.to(DEVICE), window=window)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,8 @@ VARIANTS = {
                                               n_shared_experts=0, tie_word_embeddings=True)),
     # sinks, a window of 4 on layer 0, biased router and experts, clamped SwiGLU, YaRN (factor 32)
     "gpt-oss": ("gpt_oss", {}),
+    # head dim 64: the native CPU kernels take the sinks and the window (a window of 8 on layer 0)
+    "gpt-oss-native-attention": ("gpt_oss", dict(head_dim=64, sliding_window=8)),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -7,6 +7,9 @@
 //   v_cache  [KV, S, D]
 //   slots    [R, L] int64   cache slot of each context position (row r valid up to lens[r])
 //   lens     [R]    int64   context length of each request, 1 <= lens[r] <= L
+//   sinks    [H] float32 or None: a learned logit per head that joins each softmax and gives no value
+//            (gpt-oss): out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m))
+//   window   0, or the keys a query reads back (its own included): the last min(lens[r], window) positions
 // Returns [R, H, D]. Work is split over (request, kv head) pairs, each reading its keys and values once for
 // all G query heads of the group; with AVX-512 and head_dim 64 or 128, vectorized (attend_chunk_avx512),
 // and at batch sizes too small for the threads, over chunks of the context (chunked_decode_attention).
@@ -32,6 +35,17 @@
 #endif
 
 namespace {
+
+// First context position a query at position lens - 1 reads with a sliding window (0: none).
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
+// A sink logit's term in a softmax denominator whose scores were exponentiated relative to m:
+// exp(sink - m), 0 without a sink (sink = -inf).
+inline float sink_share(float sink, float m) {
+  return sink == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(sink - m);
+}
 
 #if defined(__AVX512F__)
 // Positions prefetched ahead: K/V rows come from DRAM in blocks scattered over the cache. Into L2
@@ -138,7 +152,7 @@ bool attend_chunk(const float* q, const float* k_head, const float* v_head, cons
 #endif
 
 void attend_one(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
-                int64_t n, int64_t G, int64_t D, float scale, float* scores, float* out) {
+                int64_t n, int64_t G, int64_t D, float scale, const float* sinks, float* scores, float* out) {
   // scores [G, n], out [G, D]
   std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < n; ++l) {
@@ -161,7 +175,7 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
       sg[l] = std::exp(sg[l] - mx[g]);
       sum += sg[l];
     }
-    inv[g] = 1.f / sum;
+    inv[g] = 1.f / (sum + (sinks == nullptr ? 0.f : sink_share(sinks[g], mx[g])));
   }
   std::fill(out, out + G * D, 0.f);
   for (int64_t l = 0; l < n; ++l) {
@@ -184,7 +198,7 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
 // are combined: out = sum_c exp(m_c - M) out_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
 void chunked_decode_attention(const float* qp, const float* kp, const float* vp, const int64_t* sp,
                               const int64_t* lp, int64_t R, int64_t H, int64_t KV, int64_t S, int64_t L,
-                              int64_t D, float sc, float* op) {
+                              int64_t D, float sc, const float* sinks, int64_t window, float* op) {
   const int64_t G = H / KV, threads = at::get_num_threads();
   const int64_t C = R * KV >= 2 * threads ? 1 : 2 * threads;
   std::vector<float> part_out(C == 1 ? 0 : R * KV * C * G * D), part_m(R * KV * C * G), part_l(R * KV * C * G);
@@ -192,7 +206,8 @@ void chunked_decode_attention(const float* qp, const float* kp, const float* vp,
     std::vector<float> scores(3 * L);                       // up to 3 heads per pass
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t pair = idx / C, c = idx % C, r = pair / KV, h = pair % KV;
-      const int64_t n = lp[r], first = n * c / C, last = n * (c + 1) / C;
+      const int64_t lo = window_start(lp[r], window), span = lp[r] - lo;
+      const int64_t first = lo + span * c / C, last = lo + span * (c + 1) / C;
       float* out = C == 1 ? op + (r * H + h * G) * D : part_out.data() + idx * G * D;
       attend_chunk(qp + (r * H + h * G) * D, kp + h * S * D, vp + h * S * D, sp + r * L + first, last - first,
                    G, D, sc, scores.data(), out, part_m.data() + idx * G, part_l.data() + idx * G);
@@ -203,8 +218,9 @@ void chunked_decode_attention(const float* qp, const float* kp, const float* vp,
       const int64_t r = pair / KV, h = pair % KV;
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + (r * H + h * G + g) * D;
+        const float sink = sinks == nullptr ? -std::numeric_limits<float>::infinity() : sinks[h * G + g];
         if (C == 1) {
-          const float inv = 1.f / part_l[pair * G + g];
+          const float inv = 1.f / (part_l[pair * G + g] + sink_share(sink, part_m[pair * G + g]));
           for (int64_t d = 0; d < D; ++d) o[d] *= inv;
           continue;
         }
@@ -219,7 +235,7 @@ void chunked_decode_attention(const float* qp, const float* kp, const float* vp,
           const float* oc = part_out.data() + i * D;
           for (int64_t d = 0; d < D; ++d) o[d] += w * oc[d];
         }
-        const float inv = 1.f / total;
+        const float inv = 1.f / (total + sink_share(sink, M));
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
@@ -228,7 +244,8 @@ void chunked_decode_attention(const float* qp, const float* kp, const float* vp,
 #endif
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor slots, torch::Tensor lens, double scale) {
+                                     torch::Tensor slots, torch::Tensor lens, double scale,
+                                     c10::optional<torch::Tensor> sinks, int64_t window) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -238,6 +255,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), L = slots.size(1);
   TORCH_CHECK(H % KV == 0 && k_cache.size(2) == D && slots.size(0) == R && lens.size(0) == R);
   const int64_t G = H / KV;
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none), got ", window);
+  const float* sp_sinks = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H,
+                "paged_decode_attention: sinks must be float32 [", H, "] (one per query head)");
+    sp_sinks = sinks->data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -248,7 +272,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const float sc = static_cast<float>(scale);
 #if defined(__AVX512F__)
   if (D == 64 || D == 128) {
-    chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, op);
+    chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, sp_sinks, window, op);
     return out;
   }
 #endif
@@ -257,9 +281,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     std::vector<float> scores(G * L);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t r = idx / KV, h = idx % KV;
-      const int64_t offset = (r * H + h * G) * D;
-      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L, lp[r], G, D, sc, scores.data(),
-                 op + offset);
+      const int64_t offset = (r * H + h * G) * D, lo = window_start(lp[r], window);
+      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L + lo, lp[r] - lo, G, D, sc,
+                 sp_sinks == nullptr ? nullptr : sp_sinks + h * G, scores.data(), op + offset);
     }
   });
   return out;
@@ -399,13 +423,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention (CPU, float32), optionally with a sink logit per head and a sliding window",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
+        py::arg("sinks") = py::none(), py::arg("window") = 0);
   m.def("paged_decode_attention_fp8", &paged_decode_attention_fp8,
         "paged decode attention over an FP8 (E4M3) KV cache with per-kv-head scales (CPU)");
   m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of prefill chunks from the paged cache, into out's rows (CPU, float32)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"), py::arg("slots"), py::arg("scale"), py::arg("out"));
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"), py::arg("slots"), py::arg("scale"), py::arg("out"),
+        py::arg("sinks") = py::none(), py::arg("window") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU, float32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   py::class_<DecodeStep>(m, "DecodeStep")

@@ -3,7 +3,8 @@
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor slots, torch::Tensor lens, double scale);
+                                     torch::Tensor slots, torch::Tensor lens, double scale,
+                                     c10::optional<torch::Tensor> sinks = c10::nullopt, int64_t window = 0);
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slots);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

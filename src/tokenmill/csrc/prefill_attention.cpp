@@ -7,6 +7,8 @@
 //            Query i (row t0 + i) is position c - n + i and attends to positions 0 .. c - n + i.
 //   slots    [B, L] int64: cache slot of each context position (row b valid up to c_b)
 //   out      [T, H, D]  the listed requests' rows are written, other rows are left as they are
+//   sinks    [H] float32 or None: a logit per head that joins every softmax and gives no value (gpt-oss)
+//   window   0, or the keys a query reads back, its own included: positions p - window + 1 .. p
 //
 // Why not torch's scaled_dot_product_attention: for one 128-token prompt of the default model (9 heads of
 // 64) it takes 330 us (about 30 GFLOP/s), 7% of an offline prefill step. Here work items are (request, KV
@@ -56,23 +58,29 @@ void scores(const float* const* q, const float* kt, int64_t nk, float scale, flo
   }
 }
 
-// Row s[0 .. nk) -> exp(s_j - max) for j < valid, 0 beyond; returns the sum.
-float softmax_row(float* s, int64_t valid, int64_t nk) {
+// The lanes j .. j + 15 of a row that lie in [lo, valid).
+inline __mmask16 lanes_in(int64_t j, int64_t lo, int64_t valid) {
+  const int64_t below = std::clamp<int64_t>(lo - j, 0, 16), upto = std::clamp<int64_t>(valid - j, 0, 16);
+  const uint32_t keep = (upto == 16 ? 0xFFFFu : (1u << upto) - 1) & ~((below == 16 ? 0xFFFFu : (1u << below) - 1));
+  return static_cast<__mmask16>(keep);
+}
+
+// Row s[0 .. nk) -> exp(s_j - m) for lo <= j < valid, 0 elsewhere, m = max(those scores, sink); returns the
+// sum plus exp(sink - m) (sink = -inf: none).
+float softmax_row(float* s, int64_t lo, int64_t valid, int64_t nk, float sink) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < valid; j += 16) {
-    const __mmask16 mask = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask, s + j));
-  }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t j = lo / 16 * 16; j < valid; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, lo, valid), s + j));
+  const float top = std::max(_mm512_reduce_max_ps(mx), sink);
+  const __m512 m = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < nk; j += 16) {
-    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, valid - j));
-    const __mmask16 mask = left == 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+    const __m512 e = _mm512_maskz_mov_ps(lanes_in(j, lo, valid), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
     _mm512_storeu_ps(s + j, e);
     sum = _mm512_add_ps(sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  const float total = _mm512_reduce_add_ps(sum);
+  return sink == -std::numeric_limits<float>::infinity() ? total : total + std::exp(sink - top);
 }
 
 // out_r = sum_j p[r, j] v_j / l_r for QR rows, j < nk (p zero past each row's own keys).
@@ -107,6 +115,8 @@ struct Problem {
   const int64_t *seqs, *slots;
   int64_t H, KV, S, L, G;
   float scale;
+  const float* sinks;              // [H] or nullptr
+  int64_t window;                  // 0: none
 };
 
 // One item, head dim 16 DV. kt: scratch for the transposed keys, s: [kRows, ...] scratch for scores.
@@ -116,8 +126,11 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
   constexpr int QV = DV >= 8 ? 2 : kRows;       // value accumulators: QV x DV of the 32 registers
   const int64_t t0 = pb.seqs[3 * it.b], n = pb.seqs[3 * it.b + 1], c = pb.seqs[3 * it.b + 2];
   const int64_t first = c - n;                  // position of query 0
-  const int64_t keys = first + it.i1, ldk = round_up(keys, kKeyStep);
-  const int64_t* slots = pb.slots + it.b * pb.L;
+  // Keys k0 .. first + i1 - 1 are the ones the block's queries read (k0 > 0 only with a window); kt and the
+  // score rows index them from k0.
+  const int64_t k0 = pb.window > 0 ? std::max<int64_t>(0, first + it.i0 - pb.window + 1) : 0;
+  const int64_t keys = first + it.i1 - k0, ldk = round_up(keys, kKeyStep);
+  const int64_t* slots = pb.slots + it.b * pb.L + k0;
   const float* k_head = pb.k + it.h * pb.S * D;
   const float* v_head = pb.v + it.h * pb.S * D;
   kt.assign(D * ldk, 0.f);                      // [ldk / kKeyStep, D, kKeyStep], keys past `keys` zero
@@ -129,9 +142,10 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
   s.resize(kRows * ldk);
   for (int64_t g = 0; g < pb.G; ++g) {
     const int64_t head = it.h * pb.G + g;
+    const float sink = pb.sinks == nullptr ? -std::numeric_limits<float>::infinity() : pb.sinks[head];
     for (int64_t r0 = it.i0; r0 < it.i1; r0 += kRows) {
       const int64_t rows = std::min(kRows, it.i1 - r0);
-      const int64_t nk = round_up(first + r0 + rows, kKeyStep);          // keys of the tile's last query
+      const int64_t nk = round_up(first + r0 + rows - k0, kKeyStep);     // keys of the tile's last query
       const float* q[kRows];
       float* o[kRows];
       float l[kRows];
@@ -141,8 +155,12 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
         o[r] = pb.out + (row * pb.H + head) * D;
       }
       scores<DV, kRows>(q, kt.data(), nk, pb.scale, s.data(), ldk);
-      for (int64_t r = 0; r < rows; ++r) l[r] = softmax_row(s.data() + r * ldk, first + r0 + r + 1, nk);
-      const int64_t used = first + r0 + rows;                            // keys any row of the tile sees
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t upto = first + r0 + r + 1;                         // past the row's own position
+        const int64_t from = pb.window > 0 ? std::max<int64_t>(0, upto - pb.window) : 0;
+        l[r] = softmax_row(s.data() + r * ldk, from - k0, upto - k0, nk, sink);
+      }
+      const int64_t used = first + r0 + rows - k0;                       // keys any row of the tile sees
       for (int64_t r = 0; r < rows; r += QV) {
         if (rows - r >= QV) {
           weighted_values<DV, QV>(s.data() + r * ldk, ldk, used, v_head, slots, l + r, o + r);
@@ -160,7 +178,8 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
 bool prefill_attention_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor seqs,
-                       torch::Tensor slots, double scale, torch::Tensor out) {
+                       torch::Tensor slots, double scale, torch::Tensor out, c10::optional<torch::Tensor> sinks,
+                       int64_t window) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
               "prefill_attention: float32 only");
@@ -172,9 +191,13 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
   TORCH_CHECK(prefill_attention_supports(D) && H % KV == 0 && k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() &&
                   out.sizes() == q.sizes(), "prefill_attention: q [T, H, D] (D 64 or 128), caches [KV, S, D], out as q");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+                                     sinks->numel() == H),
+              "prefill_attention: sinks must be float32 [", H, "] (one per query head)");
   const Problem pb{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
                    seqs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), H, KV, S, slots.size(1), H / KV,
-                   static_cast<float>(scale)};
+                   static_cast<float>(scale), sinks.has_value() ? sinks->data_ptr<float>() : nullptr, window};
   std::vector<Item> items;
   for (int64_t b = 0; b < seqs.size(0); ++b) {
     const int64_t t0 = pb.seqs[3 * b], n = pb.seqs[3 * b + 1], c = pb.seqs[3 * b + 2];
@@ -215,7 +238,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 bool prefill_attention_supports(int64_t) { return false; }
 
 void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
-                       torch::Tensor) {
+                       torch::Tensor, c10::optional<torch::Tensor>, int64_t) {
   TORCH_CHECK(false, "prefill_attention: needs AVX-512");
 }
 #endif

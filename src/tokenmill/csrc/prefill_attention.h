@@ -4,4 +4,5 @@
 
 bool prefill_attention_supports(int64_t head_dim);     // AVX-512 builds, head_dim 64 or 128
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor seqs,
-                       torch::Tensor slots, double scale, torch::Tensor out);
+                       torch::Tensor slots, double scale, torch::Tensor out,
+                       c10::optional<torch::Tensor> sinks = c10::nullopt, int64_t window = 0);

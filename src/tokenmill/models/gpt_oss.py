@@ -1,7 +1,7 @@
 """gpt-oss (OpenAI's open-weight MoE): Llama's pre-norm decoder with
 - attention: biases on q, k, v and o; a learned sink logit per head in every softmax; sliding windows of
-  `sliding_window` tokens on the layers `layer_types` names, full attention on the others (layers/attention/
-  sinks.py); YaRN RoPE;
+  `sliding_window` tokens on the layers `layer_types` names, full attention on the others (the backend's
+  forward_with_sinks: the native CPU or the Triton kernels, else torch ops, layers/attention/sinks.py); YaRN;
 - every MLP a mixture of experts: router logits with a bias, softmax over the top-k; experts with biases and
   the clamped SwiGLU (layers/moe/experts.py clamped_swiglu).
 
@@ -27,7 +27,6 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed.parallel_state import tensor_parallel
-from tokenmill.layers.attention.sinks import sink_attention
 from tokenmill.layers.linear import RowParallelLinear
 from tokenmill.loaders.lazy import read_part
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
@@ -46,9 +45,8 @@ class GptOssAttention(LlamaAttention):
         self.window: int | None = None          # tokens attended back to (its own included); None: all
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
-        return sink_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sinks, self.window,
-                              self.kv_scales)
+        return self.backend.forward_with_sinks(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sinks,
+                                               self.window, self.kv_scales)
 
 
 class GptOssForCausalLM(MoEMixin, LlamaForCausalLM):

@@ -73,6 +73,15 @@ class AttentionBackend:
         kv_scales: fp8_kv.KVScales when the caches are float8 (kv_cache_dtype="fp8"), else None."""
         raise NotImplementedError
 
+    def forward_with_sinks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                           sinks: torch.Tensor, window: int | None, kv_scales=None) -> torch.Tensor:
+        """forward for gpt-oss's attention: sinks [num_heads] (a logit per head in every softmax, giving no
+        value) and a sliding window (a query at p reads p - window + 1 .. p; None: all). By default
+        layers/attention/sinks.py (the native CPU kernels where they take the layer, else torch ops)."""
+        from tokenmill.layers.attention.sinks import sink_attention
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return sink_attention(q, k_cache, v_cache, meta, scale, sinks, window, kv_scales)
+
     def store(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         """write_cache, or its FP8 form (quantized by the layer's scales) when kv_scales is given."""
         if kv_scales is None:

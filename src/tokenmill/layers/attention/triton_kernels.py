@@ -12,7 +12,10 @@ lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
   head): causal attention of the chunk's new tokens against their whole context (cached prefix and the
   chunk itself), variable lengths, keys gathered through the block table.
 Both accumulate in float32 and return q's dtype. An FP8 cache (kv_cache_dtype="fp8") is read as its bytes
-and decoded in the kernels (_e4m3_to_float), times its per-kv-head scale.
+and decoded in the kernels (_e4m3_to_float), times its per-kv-head scale. Both take gpt-oss's attention
+too: `sinks` (a float32 logit per query head that joins each softmax and gives no value: its exp(sink - m)
+is added to the denominator at the end) and `window` (a query at position p reads p - window + 1 .. p;
+blocks wholly before the window are not read).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def _cached(ptrs, mask, scale_ptr, FP8: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, k_scale_ptr,
                          v_scale_ptr, stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, scale, num_splits,
-                         blocks_per_split, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
+                         blocks_per_split, window, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
                          BLOCK: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -62,11 +65,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D], tl.float32)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)                   # first position read
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK))
-    for i in range(first, last):                      # every block here holds at least one position
+    first = tl.maximum(first, lo // BLOCK)
+    for i in range(first, last):                      # every block here holds at least one position read
         pos = i * BLOCK + t
-        valid = pos < seq_len
+        valid = (pos < seq_len) & (pos >= lo)
         block = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
         offs = kvh * stride_kh + (block * BLOCK + t)[:, None] * stride_ks + d[None, :]
         k = _cached(k_ptr + offs, valid[:, None], k_scale_ptr + kvh, FP8)             # [BLOCK, D] float32
@@ -86,8 +91,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr
 
 
 @triton.jit
-def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-                         SPLITS_P: tl.constexpr, D: tl.constexpr):
+def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, stride_ob, stride_oh, num_heads, num_splits,
+                         SPLITS_P: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -97,18 +102,22 @@ def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, n
     m = tl.load(m_ptr + row, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + row, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)   # [SPLITS_P, D]
-    best = tl.max(m, axis=0)                          # finite: the first split always holds position 0
+    best = tl.max(m, axis=0)                          # finite: some split holds the last position
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - best))
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    denominator = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(tl.load(sinks_ptr + h) - best)
+    out = tl.sum(acc * w[:, None], axis=0) / denominator
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                           scale: float, num_splits: int | None = None, kv_scales=None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, kv_scales=None,
+                           sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, its KV already in the cache); block_tables [B, max_blocks]
     int32/64; seq_lens [B] (>= 1, new token included). kv_scales: fp8_kv.KVScales of float8 caches, else
-    None. Returns [B, H, D] in q's dtype."""
+    None. sinks [H] float32 and window (None: all) as gpt-oss's attention. Returns [B, H, D] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
@@ -124,19 +133,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, k_scale, v_scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), scale, num_splits, blocks_per_split,
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), D=head_dim, BLOCK=block_size,
+        window or 0, GROUP=group, GROUP_P=triton.next_power_of_2(group), D=head_dim, BLOCK=block_size,
         FP8=kv_scales is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(num_seqs, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_heads, num_splits,
-                                                SPLITS_P=triton.next_power_of_2(num_splits), D=head_dim)
+    _decode_merge_kernel[(num_seqs, num_heads)](m, l, acc, out, _sinks_operand(sinks, m), out.stride(0), out.stride(1),
+                                                num_heads, num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+                                                D=head_dim, HAS_SINKS=sinks is not None)
     return out
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctxlens_ptr, k_scale_ptr,
-                    v_scale_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks, stride_tb, scale,
-                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+                    v_scale_ptr, sinks_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks,
+                    stride_tb, scale, window, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
     h = tl.program_id(2)
@@ -152,10 +162,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
                     mask=rmask[:, None], other=0.0)                                   # [BLOCK_M, D]
         q_pos = ctx_len - q_len + rows                                                # absolute positions
         hi = tl.minimum(ctx_len, ctx_len - q_len + (qblock + 1) * BLOCK_M)            # causal end of the block
+        lo = tl.where(window > 0, tl.maximum(ctx_len - q_len + qblock * BLOCK_M - window + 1, 0), 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for start in range(0, hi, BLOCK_N):
+        for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pmask = pos < hi
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
@@ -164,6 +175,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             v = _cached(v_ptr + offs, pmask[:, None], v_scale_ptr + kvh, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                         # [BLOCK_M, BLOCK_N]
             keep = (pos[None, :] <= q_pos[:, None]) & pmask[None, :] & rmask[:, None]
+            keep = keep & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                     # rows with nothing yet
@@ -172,6 +184,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
+        if HAS_SINKS:
+            l += tl.exp(tl.load(sinks_ptr + h) - m)                                   # padding rows: m = -inf
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -180,11 +194,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, scale: float,
-                            max_query_len: int, out: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
+                            max_query_len: int, out: torch.Tensor | None = None, kv_scales=None,
+                            sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, H, D]: the step's new tokens, sequence s owning rows query_starts[s] .. + query_lens[s], its
     KV (chunk included) already in the cache; context_lens[s] = start position + query_lens[s]. Writes the
     listed sequences' rows of `out` ([T, H, D], q's dtype; zeros when not given) and returns it; other rows
-    are left as they are."""
+    are left as they are. sinks [H] float32 and window (None: all) as gpt-oss's attention."""
     num_tokens, num_heads, head_dim = q.shape
     _check_shapes(q, k_cache, v_cache, block_tables, block_size)
     if out is None:
@@ -192,11 +207,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (query_starts.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads)
     k_cache, v_cache, k_scale, v_scale = _cache_operands(k_cache, v_cache, kv_scales)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_starts, query_lens, context_lens,
-                          k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-                          block_tables.stride(0),
-                          scale, GROUP=num_heads // k_cache.shape[0], D=head_dim, BLOCK_SIZE=block_size,
-                          BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, FP8=kv_scales is not None)
+                          k_scale, v_scale, _sinks_operand(sinks, q), q.stride(0), q.stride(1), out.stride(0),
+                          out.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), scale,
+                          window or 0, GROUP=num_heads // k_cache.shape[0], D=head_dim, BLOCK_SIZE=block_size,
+                          BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, FP8=kv_scales is not None,
+                          HAS_SINKS=sinks is not None)
     return out
+
+
+def _sinks_operand(sinks: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them (float32, contiguous); without sinks, a tensor standing in (not
+    read)."""
+    return stand_in if sinks is None else sinks.to(stand_in.device, torch.float32).contiguous()
 
 
 def _cache_operands(k_cache, v_cache, kv_scales):
