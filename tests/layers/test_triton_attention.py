@@ -162,21 +162,19 @@ def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
-def _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale, sinks, window,
-                    monkeypatch):
+def _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale, sinks, window):
     """layers/attention/sinks.py's torch path over the same cache (every sequence as a chunk)."""
-    from tokenmill.layers.attention import sinks as sink_module
+    from tokenmill.layers.attention.sinks import sink_attention
     seqs = []
     for i, (start, qlen, clen) in enumerate(zip(starts, query_lens, context_lens)):
         pos = torch.arange(clen)
         seqs.append(SeqSpan(start, qlen, clen, tables[i, pos // block_size].long() * block_size + pos % block_size))
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), seqs=seqs)
-    monkeypatch.setattr(sink_module, "_native_kernels", lambda *a: None)
-    return sink_module.sink_attention(q, k_cache, v_cache, meta, scale, sinks, window).view(q.shape)
+    return sink_attention(q, k_cache, v_cache, meta, scale, sinks, window).view(q.shape)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 17])
-def test_decode_kernel_takes_sinks_and_windows(window, monkeypatch):
+def test_decode_kernel_takes_sinks_and_windows(window):
     """gpt-oss: splits wholly before a window read nothing; the sinks join the merged softmax."""
     kv_heads, group, head_dim, block_size, num_blocks = 2, 2, 64, 8, 40
     context_lens = [1, 40, 3, 64]
@@ -185,7 +183,7 @@ def test_decode_kernel_takes_sinks_and_windows(window, monkeypatch):
     q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=g)
     sinks = torch.randn(kv_heads * group, generator=g) * 3
     ref = _sink_reference(q, k_cache, v_cache, tables, list(range(4)), [1] * 4, context_lens, block_size, 0.125,
-                          sinks, window, monkeypatch)
+                          sinks, window)
     out = paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
                                  torch.tensor(context_lens, dtype=torch.int32).to(DEVICE), block_size, 0.125,
                                  num_splits=3, sinks=sinks.to(DEVICE), window=window)
@@ -193,7 +191,7 @@ def test_decode_kernel_takes_sinks_and_windows(window, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 17])
-def test_prefill_kernel_takes_sinks_and_windows(window, monkeypatch):
+def test_prefill_kernel_takes_sinks_and_windows(window):
     kv_heads, group, head_dim, block_size, num_blocks = 1, 4, 64, 8, 30
     chunks = [(7, 9), (0, 33), (30, 2)]
     k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=9)
@@ -203,7 +201,7 @@ def test_prefill_kernel_takes_sinks_and_windows(window, monkeypatch):
     q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
     sinks = torch.randn(kv_heads * group, generator=g) * 3
     ref = _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, 0.125, sinks,
-                          window, monkeypatch)
+                          window)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
     out = paged_prefill_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
                                   as_tensor(starts), as_tensor(query_lens), as_tensor(context_lens), block_size,

@@ -50,6 +50,18 @@ def _replica_pids(server_pid: int) -> list[int]:
     return pids
 
 
+def _both_replicas_running(url: str, timeout_s: float = 20.0) -> bool:
+    """Whether /metrics shows requests running on both replicas within timeout_s (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [l for l in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+                 if l.split("{", 1)[0].endswith("replica_num_requests_running")]
+        if len(lines) == 2 and all(float(l.rsplit(" ", 1)[1]) > 0 for l in lines):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_a_killed_replica_answers_503_and_the_server_serves_on(start_server, model_name):
     server = start_server("--api-key", API_KEY, "--data-parallel-size", "2", "--max-num-seqs", "32")
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -60,7 +72,7 @@ def test_a_killed_replica_answers_503_and_the_server_serves_on(start_server, mod
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(post, i) for i in range(16)]
-        time.sleep(0.7)
+        assert _both_replicas_running(server.url)            # the kill lands mid-generation, not after it
         pids = _replica_pids(server.proc.pid)
         assert len(pids) == 2
         os.kill(pids[1], signal.SIGKILL)

@@ -77,7 +77,7 @@ class AttentionBackend:
                            sinks: torch.Tensor, window: int | None, kv_scales=None) -> torch.Tensor:
         """forward for gpt-oss's attention: sinks [num_heads] (a logit per head in every softmax, giving no
         value) and a sliding window (a query at p reads p - window + 1 .. p; None: all). By default
-        layers/attention/sinks.py (the native CPU kernels where they take the layer, else torch ops)."""
+        layers/attention/sinks.py's torch ops; the CPU and Triton backends run their kernels."""
         from tokenmill.layers.attention.sinks import sink_attention
         self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return sink_attention(q, k_cache, v_cache, meta, scale, sinks, window, kv_scales)

@@ -43,6 +43,29 @@ class CPUAttention(AttentionBackend):
                 out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, s, scale, kv_scales)
         return out.view(num_tokens, num_heads * head_dim)
 
+    def forward_with_sinks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks, window,
+                           kv_scales=None) -> torch.Tensor:
+        """gpt-oss's attention in the native kernels, which take the sinks and the window (a decode reads only
+        its window's keys; a prefill block gathers only the keys its queries' windows reach): float32 cache,
+        head dim 64 or 128, the step's prefill tables listing its chunks. Else the torch ops (sinks.py)."""
+        prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
+        if self.native is None or q.dtype != torch.float32 or kv_scales is not None \
+                or not self.native.prefill_attention_supports(q.shape[-1]) \
+                or (prefills and not self._native_prefill(q, prefills, meta)):
+            return super().forward_with_sinks(q, k, v, k_cache, v_cache, meta, scale, sinks, window, kv_scales)
+        self.native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        sinks, window = sinks.float().contiguous(), window or 0
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self.native.paged_decode_attention(
+                q[meta.decode_rows].contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens, scale,
+                sinks=sinks, window=window)
+        if prefills:
+            self.native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots,
+                                          scale, out, sinks=sinks, window=window)
+        return out.view(num_tokens, num_heads * head_dim)
+
     def _native_prefill(self, q, prefills, meta: AttentionMetadata) -> bool:
         """Whether the native kernel takes this step's prefill chunks: float32 on an AVX-512 build with a head
         dim it has, and the step's prefill tables list exactly these chunks."""

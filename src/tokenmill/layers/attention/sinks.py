@@ -3,20 +3,17 @@
     p = softmax([q.k_j * scale for j in window] + [sink_h])      the sink takes a share and gives no value
     out = sum_j p_j v_j                                          j: positions q_pos - window < j <= q_pos
 
-On the CPU with the native kernels (float32 cache, head dim 64 or 128): csrc/cpu_kernels.cpp's
-paged_decode_attention and csrc/prefill_attention.cpp's prefill_attention, which take the sinks and the window
-(a decode reads only its window's keys; a prefill block gathers only the keys its queries' windows reach).
-Elsewhere (an FP8 cache, CUDA, no compiler), torch ops: decodes batched over the step's padded decode slots,
-prefill chunks per request in blocks of query rows (bounding the [heads, rows, context] scores); exact, and
-the reference the native path is tested against. The fused decode programs and the Triton kernels know
-neither sinks nor windows."""
+Here in torch ops, on any device: decodes batched over the step's padded decode slots, prefill chunks per
+request in blocks of query rows (bounding the [heads, rows, context] scores); exact, and the reference the
+kernels are tested against. It is AttentionBackend.forward_with_sinks's default; the CPU backend runs its
+native kernels instead where they take the layer (cpu.py), the Triton backend its kernels. The fused decode
+programs know neither sinks nor windows."""
 from __future__ import annotations
 
 import torch
 
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.fp8_kv import read_slots, scale_pair
-from tokenmill.platforms import cpu_native
 
 QUERY_BLOCK = 256           # prefill query rows per score matrix
 
@@ -27,22 +24,12 @@ def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scale_pair(kv_scales)
-    native = _native_kernels(q, k_cache, kv_scales)
-    sinks = sinks.float().contiguous()
-    if meta.decode_rows is not None and native is not None:
-        out[meta.decode_rows] = native.paged_decode_attention(q[meta.decode_rows].contiguous(), k_cache, v_cache,
-                                                              meta.decode_slots, meta.decode_lens, scale,
-                                                              sinks=sinks, window=window or 0)
-    elif meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows].float(), k_cache, v_cache, meta, scale, sinks,
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode(q[meta.decode_rows].float(), k_cache, v_cache, meta, scale, sinks.float(),
                                         window, k_scale, v_scale)
-    prefills = [s for s in meta.seqs if meta.decode_rows is None or s.query_len > 1]     # the rest: decodes
-    if prefills and native is not None and meta.prefill_spans is not None \
-            and meta.prefill_spans.shape[0] == len(prefills):
-        native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots, scale,
-                                 out, sinks=sinks, window=window or 0)
-        prefills = []
-    for s in prefills:
+    for s in meta.seqs:
+        if meta.decode_rows is not None and s.query_len == 1:
+            continue                                            # a decode: done above
         keys = read_slots(k_cache, s.context_slots, k_scale).float()         # [KV, L, D]
         values = read_slots(v_cache, s.context_slots, v_scale).float()
         first = s.context_len - s.query_len                     # the chunk's first position
@@ -53,15 +40,6 @@ def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             out[rows] = _attend(q[rows].float().transpose(0, 1), keys, values, q_pos, scale, sinks.float(),
                                 window).transpose(0, 1)
     return out.to(q.dtype).reshape(num_tokens, num_heads * head_dim)
-
-
-def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, kv_scales):
-    """The native module where its kernels take this layer: CPU, float32 query and cache, head dim 64 or
-    128 (an AVX-512 build); else None."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or kv_scales is not None:
-        return None
-    native = cpu_native.load()
-    return native if native is not None and native.prefill_attention_supports(q.shape[-1]) else None
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
