@@ -6,7 +6,7 @@ gpt-oss-20b's attention shapes: 64 query heads, 8 kv heads, head dim 64; its sli
 128 positions, its full layers everything. Cases: decode steps (one new token per request) at batch 1 and
 64 over a context of --context tokens, and one prefill chunk of --prefill tokens starting at 0, each with
 the window (128) and without it (full). Caches are random float32 in blocks of 16 slots, scattered. Per
-row: the median ms over --runs calls after a warm-up, for the torch path and the native kernels, and their
+row: the median ms over --runs calls after 3 warm-up calls, for the torch path and the native kernels, and their
 ratio. Both give the same values (tests/layers/test_sink_attention.py); this is speed only.
 
     .venv/bin/python benchmarks/sink_attention.py [--runs 10] [--context 2048] [--prefill 512] [--threads 2]
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
+
+from moe_step import time_steps  # noqa: E402  (benchmarks/, the script's own directory)
 
 HEADS, KV_HEADS, HEAD_DIM, WINDOW, BLOCK = 64, 8, 64, 128, 16
 
@@ -53,16 +53,6 @@ def metadata(context_lens: list[int], query_lens: list[int], seed: int = 0):
     return meta, sum(blocks) * BLOCK
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
@@ -90,9 +80,10 @@ def main() -> None:
         q = torch.randn(sum(queries), HEADS, HEAD_DIM, generator=g)
         k, v = torch.randn(sum(queries), KV_HEADS, HEAD_DIM, generator=g), torch.randn(sum(queries), KV_HEADS, HEAD_DIM, generator=g)
         for window in (WINDOW, None):
-            def timed(backend):
-                return median_ms(lambda: backend.forward_with_sinks(q, k, v, k_cache, v_cache, meta, 0.125, sinks,
-                                                                    window), args.runs)
+            def timed(backend) -> float:
+                """Median ms per call (moe_step.time_steps: 3 warm-up calls, then --runs timed)."""
+                return 1e3 * time_steps(lambda _: backend.forward_with_sinks(q, k, v, k_cache, v_cache, meta, 0.125,
+                                                                             sinks, window), None, args.runs)
             native, torch_ms = timed(cpu), timed(reference)
             label = f"{name}, {'window ' + str(WINDOW) if window else 'full'}"
             print(f"{label:42s} {torch_ms:9.2f} {native:9.2f} {torch_ms / native:7.1f}x", flush=True)
