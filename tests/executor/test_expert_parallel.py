@@ -1,6 +1,7 @@
 """MoE models across two ranks of the mp executor on this CPU (gloo): experts split across the ranks
 (tensor parallel) and whole experts per rank with all-to-all dispatch (expert parallel) give one rank's
-greedy tokens, log-probabilities to 1e-5 and expert token counts; MLA heads split across ranks."""
+greedy tokens, log-probabilities to 1e-5 and expert token counts; MLA heads split across ranks; gpt-oss's
+sinks split with its heads and its row-parallel biases (o_proj, experts' down_proj) added once."""
 from __future__ import annotations
 
 import os
@@ -45,5 +46,14 @@ def test_mixtral_expert_parallel_matches_one_rank(tiny_model_factory):
     model = tiny_model_factory("mixtral", num_local_experts=5)      # uneven: 3 experts on rank 0, 2 on rank 1
     one, counts = _run(model, 1)
     two, two_counts = _run(model, 2, ep=True)
+    _assert_same(one, two)
+    assert two_counts == counts
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["split-experts", "expert-parallel"])
+def test_gpt_oss_across_two_ranks_matches_one_rank(tiny_model_factory, ep):
+    model = tiny_model_factory("gpt_oss")          # a window of 4 on layer 0, sinks, biases everywhere
+    one, counts = _run(model, 1)
+    two, two_counts = _run(model, 2, ep=ep)
     _assert_same(one, two)
     assert two_counts == counts

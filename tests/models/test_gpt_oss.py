@@ -2,8 +2,8 @@
 naive softmax over [scores, sink] (decode and prefill paths, a padded batch); gpt-oss's own MXFP4 checkpoint
 (experts as *_blocks / *_scales, written here with the test's own encoder) loads with the file's codes kept
 byte for byte and gives transformers' logits on the dequantized weights within 1e-4 and its greedy tokens
-(MXFP4's float32-activation reference; its int8-activation fast mode runs the experts' tiles, within 2%);
-tensor parallel is refused by name."""
+(MXFP4's float32-activation reference; its int8-activation fast mode runs the experts' tiles, within 2%),
+and the same across two tensor-parallel ranks."""
 from __future__ import annotations
 
 import json
@@ -137,7 +137,20 @@ def test_the_mxfp4_checkpoint_keeps_its_codes_and_matches_transformers(tiny_mode
     assert 0 < ((fast_logits - ref).norm() / ref.norm()).item() < 0.02
 
 
-def test_tensor_parallel_is_refused_by_name(tiny_model_factory):
-    src = tiny_model_factory("gpt_oss")
-    with pytest.raises(Exception, match="gpt-oss does not run tensor parallel"):
-        LLM(src, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 22)
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
+def test_the_mxfp4_checkpoint_across_two_ranks_matches_one_rank(tiny_model_factory, tmp_path):
+    """Each rank reads its run of the experts' intermediate columns from the file's blocks (32 of 64 each)."""
+    out = str(tmp_path / "gpt-oss-mxfp4")
+    _write_mxfp4(tiny_model_factory("gpt_oss"), out)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(out, tensor_parallel_size=tp, kv_cache_memory_bytes=1 << 22, block_size=4)
+        try:
+            runs.append([o.outputs[0] for o in llm.generate([PROMPT, PROMPT[:5]], params)])
+        finally:
+            llm.shutdown()
+    for one, two in zip(*runs):
+        assert one.token_ids == two.token_ids
+        for a, b in zip(one.logprobs, two.logprobs):
+            assert abs(a.sampled.logprob - b.sampled.logprob) <= 1e-5

@@ -100,17 +100,25 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """This rank's run of the input columns: `cols` = (first, count) of in_total (default: an even split).
-    forward(x [T, count]) -> the sum over ranks of x W_local^T: [T, out_features] on every rank."""
+    forward(x [T, count]) -> the sum over ranks of x W_local^T: [T, out_features] on every rank.
+
+    A bias is added once to the sum: by the rank whose run starts at column 0 (`adds_bias`; every rank when
+    the layer is not split, as an expert-parallel rank's whole experts). The other ranks load the bias too,
+    so every checkpoint tensor lands somewhere, and zero it when packed."""
 
     def __init__(self, in_total: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
                  cols: tuple[int, int] | None = None) -> None:
         tp = tensor_parallel()
-        if bias and tp.size > 1:
-            raise ValueError("a row-parallel linear layer with a bias is not supported across ranks")
         self.cols = cols if cols is not None else split_evenly(in_total, tp.size, tp.rank)
         super().__init__(self.cols[1], out_features, bias, dtype)
         self.in_total = in_total
         self.reduce = tp.size > 1
+        self.adds_bias = self.cols[0] == 0
+
+    def set_quant_method(self, method: QuantMethod) -> None:
+        if self.bias is not None and not self.adds_bias:
+            self.bias.data.zero_()              # the sum over ranks takes the bias from the rank that adds it
+        super().set_quant_method(method)
 
     def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
         first, count = self.cols

@@ -15,7 +15,8 @@ splits into per-expert tensors as they are read (`checkpoint_tensors`), each rea
   rows interleaved as above; `down_proj_blocks` / `down_proj_scales` likewise [E, hidden, I / 32, ...]. They
   become compressed-tensors-style `experts.{e}.{gate,up,down}_proj.weight_packed` / `.weight_scale`, which
   quant/prequantized.py takes as they are (the MXFP4 method keeps the file's codes).
-`mlp.router` is the MoE block's `mlp.gate`. Tensor parallel is not supported (row-parallel layers with biases).
+`mlp.router` is the MoE block's `mlp.gate`. Tensor parallel splits heads (their sinks too) and experts
+as for the other models; the row-parallel biases (o_proj, experts' down_proj) are added by one rank.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.layers.linear import RowParallelLinear
 from tokenmill.loaders.lazy import read_part
+from tokenmill.models.base import attention_heads
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
 from tokenmill.models.moe_llama import MoEMixin
 from tokenmill.models.weights import load_named_weights
@@ -40,9 +41,16 @@ _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_pr
 class GptOssAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, rotary) -> None:
         super().__init__(cfg, rotary)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=True, dtype=cfg.dtype)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=cfg.dtype), requires_grad=False)   # [H]
+        # o_proj's bias: added by tensor-parallel rank 0 only (RowParallelLinear.adds_bias)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=True, dtype=cfg.dtype, cols=self.o_proj.cols)
+        self.first_head = attention_heads(cfg).first_head
+        # this rank's heads' sink logits [num_heads] (of the checkpoint's [num_attention_heads])
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=cfg.dtype), requires_grad=False)
         self.window: int | None = None          # tokens attended back to (its own included); None: all
+
+    def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
+        """The rows of `sinks` (this module's one own parameter) that this rank's heads take."""
+        return slice(self.first_head, self.first_head + self.num_heads), slice(None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         return self.backend.forward_with_sinks(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sinks,
@@ -53,9 +61,6 @@ class GptOssForCausalLM(MoEMixin, LlamaForCausalLM):
     attention_class = GptOssAttention
 
     def __init__(self, cfg: ModelConfig) -> None:
-        if tensor_parallel().size > 1:
-            raise ValueError("gpt-oss does not run tensor parallel yet (its o_proj and experts' down_proj carry "
-                             "biases, which row-parallel layers do not split); use data_parallel_size instead")
         super().__init__(cfg)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.window = cfg.window(i)
