@@ -10,6 +10,9 @@ alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land u
 
     python benchmarks/server_peak.py [--systems slo,fcfs,llama-server] [--profile llama3.1-8b]
         [--quantization int4] [--min-duration-s 60] [--rounds 1]
+    # speculation against none, Interactive limits, summarization prompts:
+    python benchmarks/server_peak.py --systems slo,slo+spec --profile llama3.1-8b-interactive --dataset cnndm \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' 
 
 The runs are of development length unless --min-duration-s 600 (MLPerf's); say which in any note.
 """
@@ -38,8 +41,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="slo,fcfs,llama-server",
                    help="comma list of: slo, fcfs (tokenmill serve --scheduling-policy), llama-server; a "
-                        "policy may name a parallel layout: slo+dp2 (2 replicas), slo+tp2 (2 tensor-parallel "
-                        "ranks); the CPU threads are split between replicas or ranks")
+                        "policy may add a parallel layout: slo+dp2 (2 replicas), slo+tp2 (2 tensor-parallel "
+                        "ranks), the CPU threads split between them; and +spec: speculation as "
+                        "--speculative-config says (slo,slo+spec: with and without, side by side)")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
@@ -53,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-runs", type=int, default=7)
     p.add_argument("--precision", type=float, default=0.05)
     p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (medians)")
-    p.add_argument("--speculative-config", default=None, help="JSON for tokenmill's systems (both policies)")
+    p.add_argument("--speculative-config", default=None, help="JSON: the speculation of the +spec systems")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER",
                    "/tmp/tokenmill-peers/lcpp/build/bin/llama-server"))
     p.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (BENCHMARKING.md: 16)")
@@ -98,7 +102,12 @@ def cpu_has_amx() -> bool:
 def systems(args, gguf: str, port: int) -> list[System]:
     out = []
     for name in args.systems.split(","):
-        policy, _, layout = name.partition("+")
+        policy, *extras = name.split("+")
+        spec = "spec" in extras
+        layouts = [e for e in extras if e != "spec"]
+        layout = layouts[0] if len(layouts) == 1 else "" if not layouts else None
+        if spec and not args.speculative_config:
+            sys.exit(f"system {name!r} speculates: give --speculative-config JSON")
         if policy in ("slo", "fcfs") and layout in PARALLEL_LAYOUTS:
             cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", policy, "--no-prefix-caching"]
             cmd += PARALLEL_LAYOUTS[layout]
@@ -106,7 +115,7 @@ def systems(args, gguf: str, port: int) -> list[System]:
                 cmd += ["--quantization", args.quantization]
             if policy == "slo":
                 cmd += ["--slo-profile", args.profile]
-            if args.speculative_config:
+            if spec:
                 cmd += ["--speculative-config", args.speculative_config]
             out.append(System(f"tokenmill-{name}", cmd))
         elif name == "llama-server":
@@ -123,7 +132,8 @@ def systems(args, gguf: str, port: int) -> list[System]:
                 cmd.append("--no-repack")
             out.append(System("llama-server", cmd))
         else:
-            sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2) or llama-server")
+            sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2, and +spec) or "
+                     "llama-server")
     return out
 
 
