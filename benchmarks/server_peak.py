@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
+    p.add_argument("--dataset-path", default=str(ROOT / "benchmarks" / "data" / "public_domain_articles.jsonl"),
+                   help="cnndm: the articles (JSONL rows with 'article')")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-samples", type=int, default=256)
@@ -168,7 +170,7 @@ def bench(args, url: str, command: str, name: str, extra: list[str]) -> dict:
                        "--output-len", str(args.output_len), "--vocab-size", "49152", "--out-dir", args.out_dir,
                        "--name", name, "--no-progress"] + extra
     if args.dataset == "cnndm":
-        cmd += ["--dataset-path", str(ROOT / "benchmarks" / "data" / "public_domain_articles.jsonl")]
+        cmd += ["--dataset-path", args.dataset_path]
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
     path = Path(args.out_dir) / f"{name}.json"
     if not path.exists():
