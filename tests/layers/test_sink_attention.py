@@ -1,7 +1,7 @@
 """gpt-oss's attention (a sink logit per head, sliding windows) in the native CPU kernels (the CPU backend's
 forward_with_sinks: csrc/cpu_kernels.cpp paged_decode_attention, csrc/prefill_attention.cpp
-prefill_attention) against the torch path of layers/attention/sinks.py (the reference backend's) (itself checked against a naive softmax in
-tests/models/test_gpt_oss.py): prompts and continuation chunks, windows shorter and longer than the query
+prefill_attention) against the reference backend's, the torch path of layers/attention/sinks.py (itself
+checked against a naive softmax in tests/models/test_gpt_oss.py): prompts and continuation chunks, windows shorter and longer than the query
 blocks and key steps of 32, decodes whose contexts are split over the threads, grouped-query heads; bad
 sinks and windows are refused by name."""
 from __future__ import annotations
