@@ -1,11 +1,17 @@
 """Quality of each quantized mode against fp32 on the default model: perplexity and greedy agreement.
 
-Perplexity: of tests/quant/data/ppl_text.txt (about 700 tokens), exp(mean next-token NLL), through the
-engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence, cache slots 0..T-1,
+Perplexity: of a set of documents, exp(total next-token NLL / tokens scored), each document a sequence of
+its own, through the engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence, cache slots 0..T-1,
 so the LLMs here run with prefix caching off) in two ways, as steps of many rows and of few rows run them
 (different attention code, and for fp32 different GEMMs; int8/int4 run the tile kernels on both):
   prefill: one forward pass of the whole text;
   decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs.
+The documents (--text): `test` is tests/quant/data/ppl_text.txt alone (about 700 tokens, what the test reads);
+`full` (the default) adds benchmarks/data/ppl_documents.txt (five documents of other kinds: narrative,
+expository, dialogue, technical, news; about 3,300 tokens in all), written for this project.
+Beside each rise: its 95% interval, from the per-token NLL differences against fp32's one pass taken in
+blocks of BLOCK tokens (block means, so that neighbouring tokens' correlation is counted), and the mean
+KL(fp32 || mode) of the next-token distributions in nats per token (llama.cpp's --kl-divergence measure).
 Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's continuations as reference:
   teacher-forced: the quantized model reads prompt + fp32's continuation; the fraction of the 256
       positions where its argmax equals fp32's token (every position judged in the same context), by
@@ -23,10 +29,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 import torch
 
 TEXT_PATH = os.path.join(os.path.dirname(__file__), "..", "tests", "quant", "data", "ppl_text.txt")
+DOCUMENTS_PATH = os.path.join(os.path.dirname(__file__), "data", "ppl_documents.txt")   # split at "---" lines
+BLOCK = 32
 PROMPTS = [
     "The capital of France is",
     "Water boils at a temperature of",
@@ -78,10 +87,38 @@ def forward_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch
     return torch.cat(out)
 
 
-def perplexity(llm, token_ids: list[int], chunk: int | None = None) -> float:
-    logits = forward_logits(llm, token_ids, chunk)
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(token_ids[1:]))
-    return math.exp(nll.item())
+def load_texts(text: str) -> list[str]:
+    """text: "test" (the test's text alone) or "full" (it and benchmarks/data/ppl_documents.txt's documents)."""
+    with open(TEXT_PATH, encoding="utf-8") as f:
+        texts = [f.read()]
+    if text == "full":
+        with open(DOCUMENTS_PATH, encoding="utf-8") as f:
+            texts += [d.strip() for d in re.split(r"^---$", f.read(), flags=re.M) if d.strip()]
+    elif text != "test":
+        raise ValueError(f"text must be 'test' or 'full', got {text!r}")
+    return texts
+
+
+def log_probs(llm, documents: list[list[int]], chunk: int | None = None) -> list[torch.Tensor]:
+    """Each document [T] -> its next-token log-probabilities [T - 1, vocab] float32."""
+    return [torch.log_softmax(forward_logits(llm, ids, chunk)[:-1].float(), -1) for ids in documents]
+
+
+def token_nll(documents: list[list[int]], logp: list[torch.Tensor]) -> torch.Tensor:
+    """[tokens scored] the NLL of each next token, the documents one after another."""
+    return torch.cat([-lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+                      for ids, lp in zip(documents, logp)])
+
+
+def compare(nll: torch.Tensor, ref_nll: torch.Tensor, logp, ref_logp) -> dict[str, float]:
+    """Perplexity, its rise over the reference's with a 95% interval, and the mean KL(ref || this)."""
+    delta = (nll - ref_nll).double()
+    blocks = delta[: len(delta) // BLOCK * BLOCK].view(-1, BLOCK).mean(1)
+    half = 1.96 * blocks.std().item() / math.sqrt(len(blocks)) if len(blocks) > 1 else float("nan")
+    mean = delta.mean().item()
+    kl = torch.cat([(r.exp() * (r - lp)).sum(-1) for r, lp in zip(ref_logp, logp)]).mean().item()
+    return dict(ppl=math.exp(nll.double().mean().item()), ppl_rise=math.expm1(mean),
+                rise_low=math.expm1(mean - half), rise_high=math.expm1(mean + half), kl=kl)
 
 
 def greedy(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
@@ -117,34 +154,30 @@ def chunk_of(path: str) -> int | None:
     return PATHS[path]
 
 
-def evaluate(modes: list[str], full: bool = True,
-             text_tokens: int | None = None) -> dict[str, dict[str, dict[str, float]]]:
-    """{mode: {path: {ppl, ppl_rise, teacher_forced}}, plus "prefix"} with "fp32" as the reference: its
-    one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by float rounding).
-    full=False leaves out what only the printed table shows (fp32's own paths, each mode's free-running
-    prefix agreement): tests/quant/test_quality.py's checks. text_tokens: perplexity over the text's first
-    that many tokens (None: all)."""
-    with open(TEXT_PATH, encoding="utf-8") as f:
-        text = f.read()
+def evaluate(modes: list[str], full: bool = True, text_tokens: int | None = None,
+             text: str = "test") -> dict[str, dict[str, dict[str, float]]]:
+    """{mode: {path: {ppl, ppl_rise, rise_low, rise_high, kl, teacher_forced}}, plus "prefix"} with "fp32"
+    as the reference: its one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by
+    float rounding). full=False leaves out what only the printed table shows (fp32's own paths, each mode's
+    free-running prefix agreement): tests/quant/test_quality.py's checks. text: the documents (load_texts);
+    text_tokens: each document cut to its first that many tokens (None: whole)."""
     llm = make_llm(None)
-    text_ids = llm.tokenizer.encode(text)[:text_tokens]
+    documents = [llm.tokenizer.encode(t)[:text_tokens] for t in load_texts(text)]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    ref_ppl, ref_out = perplexity(llm, text_ids), greedy(llm, prompt_ids)
-    results = {"fp32": {}}
-    for path in (PATHS if full else ()):
-        ppl = perplexity(llm, text_ids, chunk_of(path))
-        results["fp32"][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
-                                     teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out, chunk_of(path)))
-    results["fp32"].update(prefix=1.0, num_text_tokens=len(text_ids))
+    ref_logp = log_probs(llm, documents)
+    ref_nll, ref_out = token_nll(documents, ref_logp), greedy(llm, prompt_ids)
+
+    def measure(llm, path: str) -> dict[str, float]:
+        logp = log_probs(llm, documents, chunk_of(path))
+        return dict(compare(token_nll(documents, logp), ref_nll, logp, ref_logp),
+                    teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out, chunk_of(path)))
+
+    results = {"fp32": {path: measure(llm, path) for path in (PATHS if full else ())}}
+    results["fp32"].update(prefix=1.0, num_text_tokens=len(ref_nll), num_documents=len(documents))
     del llm
     for mode in modes:
         llm = make_llm(mode)
-        results[mode] = {}
-        for path in PATHS:
-            ppl = perplexity(llm, text_ids, chunk_of(path))
-            results[mode][path] = dict(ppl=ppl, ppl_rise=ppl / ref_ppl - 1,
-                                       teacher_forced=teacher_forced_agreement(llm, prompt_ids, ref_out,
-                                                                               chunk_of(path)))
+        results[mode] = {path: measure(llm, path) for path in PATHS}
         if full:
             results[mode]["prefix"] = prefix_agreement(greedy(llm, prompt_ids), ref_out)
         del llm
@@ -154,16 +187,21 @@ def evaluate(modes: list[str], full: bool = True,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="int8,int4,w8a8")
+    ap.add_argument("--text", default="full", choices=["test", "full"])
     args = ap.parse_args()
-    results = evaluate(args.modes.split(","))
-    n = results["fp32"]["num_text_tokens"]
-    print(f"default model, perplexity over {n} tokens; greedy agreement over {len(PROMPTS)} x {NUM_TOKENS} tokens")
-    print(f"{'mode':11s} {'path':8s} {'ppl':>8s} {'vs fp32':>8s} {'teacher-forced':>15s} {'prefix':>7s}")
+    results = evaluate(args.modes.split(","), text=args.text)
+    n, docs = results["fp32"]["num_text_tokens"], results["fp32"]["num_documents"]
+    print(f"default model, perplexity over {n} tokens in {docs} documents; greedy agreement over "
+          f"{len(PROMPTS)} x {NUM_TOKENS} tokens")
+    print(f"{'mode':11s} {'path':8s} {'ppl':>8s} {'vs fp32':>8s} {'95% interval':>18s} {'KL nats':>8s} "
+          f"{'teacher-forced':>15s} {'prefix':>7s}")
     for mode, r in results.items():
         for path in PATHS:
             p = r[path]
             prefix = f"{r['prefix']:7.1%}" if path == "decode" else ""
-            print(f"{mode:11s} {path:8s} {p['ppl']:8.3f} {p['ppl_rise']:+8.2%} {p['teacher_forced']:15.1%} {prefix:>7s}")
+            interval = f"[{p['rise_low']:+.2%}, {p['rise_high']:+.2%}]"
+            print(f"{mode:11s} {path:8s} {p['ppl']:8.3f} {p['ppl_rise']:+8.2%} {interval:>18s} {p['kl']:8.5f} "
+                  f"{p['teacher_forced']:15.1%} {prefix:>7s}")
 
 
 if __name__ == "__main__":
