@@ -8,8 +8,9 @@
 For each, per --modes weight format: Offline (--num-requests x 128 random prompt tokens -> exactly 128
 output tokens, greedy, all at once) wall time and output tok/s, and the decode step time at full batch
 (the median over steps where every request decodes one token; not for dp2, whose replicas step on their
-own); medians of --runs. Ratios are against
-`uni` measured in the same run; the mp executor's overhead is (mp-tp1 step - uni step) / uni step.
+own); medians of --runs. Every configuration is built first; the runs then alternate between them (each
+round in the reverse order of the one before), so that the VM's drifting speed falls on all alike. Ratios
+are against `uni` measured in the same run; the mp executor's overhead is (mp-tp1 step - uni step) / uni step.
 
     .venv/bin/python benchmarks/parallel_throughput.py [--runs 3] [--modes fp32,int4] [--configs uni,mp-tp1,tp2]
 """
@@ -67,19 +68,22 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"{args.num_requests} x 128 -> 128 tokens, medians of {args.runs}")
     for mode in args.modes.split(","):
-        results = {}
-        for name in args.configs.split(","):
-            llm = LLM(quantization=None if mode == "fp32" else mode, enable_prefix_caching=False,
-                      kv_cache_memory_bytes=1 << 30, **CONFIGS[name])
+        names = args.configs.split(",")
+        llms = {name: LLM(quantization=None if mode == "fp32" else mode, enable_prefix_caching=False,
+                          kv_cache_memory_bytes=1 << 30, **CONFIGS[name]) for name in names}
+        for llm in llms.values():
             run_once(llm, batch[:4])                                       # warm-up
-            walls, rates, steps = [], [], []
-            for _ in range(args.runs):
-                wall, tokens, decode = run_once(llm, batch)
-                walls.append(wall)
-                rates.append(tokens / wall)
-                steps.append(statistics.median(decode) if decode else float("nan"))
+        walls, rates, steps = ({name: [] for name in names} for _ in range(3))
+        for r in range(args.runs):                  # the configs alternate, in turn reversed: the VM's drift
+            for name in (names if r % 2 == 0 else names[::-1]):          # lands on all of them alike
+                wall, tokens, decode = run_once(llms[name], batch)
+                walls[name].append(wall)
+                rates[name].append(tokens / wall)
+                steps[name].append(statistics.median(decode) if decode else float("nan"))
+        for llm in llms.values():
             llm.shutdown()
-            results[name] = (statistics.median(walls), statistics.median(rates), statistics.median(steps))
+        results = {name: (statistics.median(walls[name]), statistics.median(rates[name]),
+                          statistics.median(steps[name])) for name in names}
         base = results.get("uni")
         for name, (wall, rate, step) in results.items():
             ratio = f"  x{rate / base[1]:.3f} of uni, step {step / base[2] - 1:+.1%}" if base and name != "uni" else ""
