@@ -2,8 +2,9 @@
 
 Perplexity: of a set of documents, exp(total next-token NLL / tokens scored), each document a sequence of
 its own, through the engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence,
-cache slots 0..T-1, so the LLMs here run with prefix caching off) in two ways, as steps of many rows and of few rows run them
-(different attention code, and for fp32 different GEMMs; int8/int4 run the tile kernels on both):
+cache slots 0..T-1, so the LLMs here run with prefix caching off) in two ways, as steps of many rows and
+of few rows run them (different attention code, and for fp32 different GEMMs; int8/int4 run the tile
+kernels on both):
   prefill: one forward pass of the whole text;
   decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs.
 The documents (--text): `test` is tests/quant/data/ppl_text.txt alone (about 700 tokens; the test reads it);
