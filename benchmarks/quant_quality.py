@@ -21,6 +21,7 @@ Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's co
       over all 256 (strict: one early flip discounts the rest of that prompt).
 
     .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8,fp8,nvfp4,nvfp4-exact,mxfp4,mxfp4-exact]
+        [--checkpoints fp8-gptq=DIR,...]      # e.g. DIR from `tokenmill quantize --out DIR`
 
 tests/quant/test_quality.py checks, for both paths: perplexity at most 3% above fp32, teacher-forced
 agreement >= 90%.
@@ -50,13 +51,16 @@ PROMPTS = [
 NUM_TOKENS = 32
 
 
-def make_llm(mode: str | None):
-    """mode: a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the one-pass
+def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
+    """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
+    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the one-pass
     prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache), or
     "nvfp4-exact" / "mxfp4-exact" (the FP4 formats' float32-activation reference modes; without the suffix
     they run their int8-activation fast mode where the tile kernels exist)."""
     from tokenmill import LLM
     from tokenmill.quant import fp4
+    if checkpoints and mode in checkpoints:
+        return LLM(checkpoints[mode], enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
     if mode == "fp8-kv":
         return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
     methods = {"nvfp4": fp4.NVFP4Method, "mxfp4": fp4.MXFP4Method}
@@ -156,12 +160,13 @@ def chunk_of(path: str) -> int | None:
 
 
 def evaluate(modes: list[str], full: bool = True, text_tokens: int | None = None,
-             text: str = "test") -> dict[str, dict[str, dict[str, float]]]:
+             text: str = "test", checkpoints: dict[str, str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {path: {ppl, ppl_rise, rise_low, rise_high, kl, teacher_forced}}, plus "prefix"} with "fp32"
     as the reference: its one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by
     float rounding). full=False leaves out what only the printed table shows (fp32's own paths, each mode's
     free-running prefix agreement): tests/quant/test_quality.py's checks. text: the documents (load_texts);
-    text_tokens: each document cut to its first that many tokens (None: whole)."""
+    text_tokens: each document cut to its first that many tokens (None: whole); checkpoints: mode name ->
+    a pre-quantized checkpoint directory of the default model, measured as that mode."""
     llm = make_llm(None)
     documents = [llm.tokenizer.encode(t)[:text_tokens] for t in load_texts(text)]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
@@ -177,7 +182,7 @@ def evaluate(modes: list[str], full: bool = True, text_tokens: int | None = None
     results["fp32"].update(prefix=1.0, num_text_tokens=len(ref_nll), num_documents=len(documents))
     del llm
     for mode in modes:
-        llm = make_llm(mode)
+        llm = make_llm(mode, checkpoints)
         results[mode] = {path: measure(llm, path) for path in PATHS}
         if full:
             results[mode]["prefix"] = prefix_agreement(greedy(llm, prompt_ids), ref_out)
@@ -189,8 +194,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="int8,int4,w8a8")
     ap.add_argument("--text", default="full", choices=["test", "full"])
+    ap.add_argument("--checkpoints", default="",
+                    help="NAME=DIR,...: pre-quantized checkpoints of the default model (e.g. written by "
+                         "`tokenmill quantize`), measured as modes NAME after --modes")
     args = ap.parse_args()
-    results = evaluate(args.modes.split(","), text=args.text)
+    checkpoints = dict(item.split("=", 1) for item in args.checkpoints.split(",") if item)
+    modes = [m for m in args.modes.split(",") if m] + list(checkpoints)
+    results = evaluate(modes, text=args.text, checkpoints=checkpoints)
     n, docs = results["fp32"]["num_text_tokens"], results["fp32"]["num_documents"]
     print(f"default model, perplexity over {n} tokens in {docs} documents; greedy agreement over "
           f"{len(PROMPTS)} x {NUM_TOKENS} tokens")

@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(sub, "tokenmill.bench.cli", "add_bench_parser")
     _add_optional(sub, "tokenmill.tune.cli", "add_tune_parser")
     _add_optional(sub, "tokenmill.spec.train_mtp_cli", "add_train_mtp_parser")
+    _add_optional(sub, "tokenmill.quant.quantize_cli", "add_quantize_parser")
     return parser
 
 

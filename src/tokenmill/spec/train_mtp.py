@@ -24,13 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ["a short story", "a news report", "an explanation for a student", "a letter to a friend", "a recipe",
-         "a product review", "a dialogue between two people", "a summary of the history", "a list of tips",
-         "a travel guide entry", "a short essay", "a museum placard"]
-TOPICS = ["the ocean", "a small bakery", "volcanoes", "the first railway", "learning a language", "honey bees",
-          "a rainy city", "chess", "the moon landing", "gardening in winter", "an old lighthouse", "bicycles",
-          "the printing press", "deserts", "a school concert", "coffee", "glaciers", "a lost key",
-          "the human heart", "public libraries", "electric cars", "a mountain village", "owls", "bridges"]
+from tokenmill.selfgen import chat_prompt, instruction_prompts
 
 
 @dataclass(frozen=True)
@@ -57,25 +51,10 @@ class TrainResult:
     tokens: int = 0
 
 
-def _chat(llm, text: str) -> str:
-    try:
-        return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the plain instruction
-        return text + "\n"
-
-
-def training_prompts(llm, n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    pairs = [(k, t) for k in KINDS for t in TOPICS]
-    rng.shuffle(pairs)
-    return [_chat(llm, f"Write {kind} about {topic}.") for kind, topic in (pairs * (n // len(pairs) + 1))[:n]]
-
-
 def summary_prompts(llm, texts: list[str], n: int) -> list[str]:
     """Summarization requests over the model's own first-round texts (cycled to n)."""
     texts = [t for t in texts if t.strip()]
-    return [_chat(llm, f"Summarize the following text in a few sentences.\n\n{texts[i % len(texts)].strip()}")
+    return [chat_prompt(llm, f"Summarize the following text in a few sentences.\n\n{texts[i % len(texts)].strip()}")
             for i in range(n)] if texts else []
 
 
@@ -83,7 +62,7 @@ def summary_prompts(llm, texts: list[str], n: int) -> list[str]:
 def generate_sequences(llm, cfg: TrainConfig, progress=None) -> list[Sequence]:
     from tokenmill import SamplingParams
     from tokenmill.layers.attention import AttentionMetadata, SeqSpan
-    prompts = training_prompts(llm, cfg.num_prompts, cfg.seed)
+    prompts = instruction_prompts(llm, cfg.num_prompts, cfg.seed)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)

@@ -1,0 +1,193 @@
+"""Quantizing a float checkpoint ahead of time (`tokenmill quantize`) into a pre-quantized checkpoint the
+engine loads like any vendor's: compressed-tensors `float-quantized` FP8 E4M3 (weights `weight`
+float8_e4m3fn and `weight_scale` [1] / [N, 1] / [N/128, K/128]; activations float; lm_head kept float),
+the layout llm-compressor writes (quant/prequantized.py reads it).
+
+1. Calibration text: the model writes it itself (sampled answers to a spread of instruction prompts,
+   selfgen.py), so no dataset is needed and the text is in the model's own distribution.
+2. Statistics: the float model (Hugging Face's class for the architecture, weights read by tokenmill's
+   loaders, GGUF included) reads the calibration sequences; a hook on every nn.Linear but the head
+   accumulates H = X^T X / tokens of its input [K, K] (float64). The model and every layer's H are in memory
+   at once: K^2 x 8 bytes per linear layer.
+3. Rounding: scales as RTN would set them (absmax / 448 per tensor, row or 128 x 128 block); then each
+   weight rounded to the E4M3 grid either to nearest (`rtn`) or by GPTQ (quant/gptq.py: the layer's
+   output error on the calibration inputs kept small).
+4. Writing: the float tensors as they are (a tied head stays tied), the codes and scales, config.json with
+   its `quantization_config`, the tokenizer, and quantize_report.json (settings, tokens, and per layer the
+   output error trace((W - Q) H (W - Q)^T) of the rounding chosen and of RTN)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.quant.fp8 import BLOCK, E4M3_MAX
+from tokenmill.quant.gptq import GPTQConfig, output_error, quantize_weight
+
+STRATEGIES = ("tensor", "channel", "block")
+ALGORITHMS = ("gptq", "rtn")
+REPORT_FILE = "quantize_report.json"
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    strategy: str = "channel"              # FP8 scale per tensor, output row, or 128 x 128 block
+    algorithm: str = "gptq"                # gptq | rtn
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    num_sequences: int = 64                # calibration sequences the model writes
+    max_tokens: int = 384                  # tokens generated per calibration sequence
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"quantize: strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"quantize: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.num_sequences < 1 or self.max_tokens < 1:
+            raise ValueError("quantize: num_sequences and max_tokens must be >= 1, got "
+                             f"{self.num_sequences} and {self.max_tokens}")
+        if not 0 <= self.gptq.damp < 1 or self.gptq.block < 1:
+            raise ValueError(f"quantize: GPTQ damp must be in [0, 1) and block >= 1, got {self.gptq.damp} and "
+                             f"{self.gptq.block}")
+
+
+def check_dense(hf_config) -> None:
+    """Mixture-of-experts models keep their experts outside nn.Linear in Hugging Face's classes: refused."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(hf_config, key, None):
+            raise ValueError(f"quantize: {type(hf_config).__name__} has {key}={getattr(hf_config, key)}; "
+                             "mixture-of-experts models are not supported yet (dense models only)")
+
+
+@torch.no_grad()
+def float_model(source) -> nn.Module:
+    """The checkpoint as Hugging Face's float32 model of its architecture, weights read by tokenmill's
+    loaders (GGUF dequantized as the engine reads it)."""
+    from transformers import AutoModelForCausalLM
+    from tokenmill.loaders.lazy import read_part
+    check_dense(source.hf_config)
+    model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32).eval()
+    state = {name: read_part(t, slice(None), slice(None)).float() for name, t in source.iter_weights()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(source.hf_config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"quantize: the checkpoint does not match {type(model).__name__}: missing "
+                         f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear but the output head, by module name (= its checkpoint prefix)."""
+    head = model.get_output_embeddings()
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+
+
+@torch.no_grad()
+def collect_hessians(model: nn.Module, sequences: list[list[int]], progress=None) -> tuple[dict, int]:
+    """({linear name: H = X^T X / tokens [K, K] float64}, tokens) over the sequences, one at a time."""
+    linears = target_linears(model)
+    sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
+
+    def hook(name):
+        def accumulate(_module, inputs):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            sums[name].addmm_(x.T, x)
+        return accumulate
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
+    tokens = 0
+    try:
+        for ids in sequences:
+            model(torch.tensor([ids]))
+            tokens += len(ids)
+            if progress:
+                progress()
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: s / max(tokens, 1) for name, s in sums.items()}, tokens
+
+
+def fp8_scales(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the checkpoint's weight_scale: [1] / [N, 1] / [ceil(N/128), ceil(K/128)], each weight's scale
+    [N, K]) for w [N, K]: absmax / 448 of the tensor, row or block (a zero group gets scale 1)."""
+    n, k = w.shape
+    a = w.abs().float()
+    if strategy == "tensor":
+        scale = a.amax().reshape(1)
+        full = scale.expand(n, k)
+    elif strategy == "channel":
+        scale = a.amax(dim=1, keepdim=True)
+        full = scale.expand(n, k)
+    else:
+        pad = nn.functional.pad(a, (0, -k % BLOCK, 0, -n % BLOCK))
+        scale = pad.view(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK).amax(dim=(1, 3))
+        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    scale = torch.where(scale > 0, scale / E4M3_MAX, torch.ones_like(scale))
+    full = torch.where(full > 0, full / E4M3_MAX, torch.ones_like(full))
+    return scale.contiguous(), full.contiguous()
+
+
+def round_e4m3(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Nearest E4M3 value of w / scales (saturating at +-448), times scales: float32, same shape."""
+    return (w / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scales
+
+
+@dataclass
+class QuantizedLinear:
+    codes: torch.Tensor                    # [N, K] float8_e4m3fn
+    scale: torch.Tensor                    # the checkpoint's weight_scale (fp8_scales)
+    error: float                           # output error of these codes on the calibration inputs
+    rtn_error: float                       # the same of round-to-nearest
+
+
+def quantize_linear(w: torch.Tensor, hessian: torch.Tensor, cfg: QuantizeConfig) -> QuantizedLinear:
+    scale, full = fp8_scales(w, cfg.strategy)
+    rtn = round_e4m3(w.float(), full)
+    rounded = rtn if cfg.algorithm == "rtn" else quantize_weight(w, hessian, full, round_e4m3, cfg.gptq)
+    codes = (rounded / full).to(torch.float8_e4m3fn)             # exact: rounded is on the grid
+    return QuantizedLinear(codes, scale, output_error(w, rounded, hessian), output_error(w, rtn, hessian))
+
+
+def write_checkpoint(out: str, model: nn.Module, source, quantized: dict[str, QuantizedLinear],
+                     cfg: QuantizeConfig, tokens: int) -> None:
+    """The checkpoint at `out`: model.safetensors, config.json, the tokenizer, quantize_report.json."""
+    from safetensors.torch import save_file
+    os.makedirs(out, exist_ok=True)
+    tied = getattr(source.hf_config, "tie_word_embeddings", False)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        module = name.rsplit(".", 1)[0]
+        if module in quantized and name.endswith(".weight"):
+            q = quantized[module]
+            tensors[name], tensors[module + ".weight_scale"] = q.codes, q.scale
+        else:
+            tensors[name] = t
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    config = source.hf_config
+    config.quantization_config = quantization_config(cfg.strategy)
+    config.save_pretrained(out)
+    source.load_tokenizer().save_pretrained(out)
+    report = {"source": source.path, "settings": asdict(cfg), "calibration_tokens": tokens,
+              "layers": {n: {"output_error": q.error, "rtn_output_error": q.rtn_error}
+                         for n, q in quantized.items()}}
+    with open(os.path.join(out, REPORT_FILE), "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def quantization_config(strategy: str) -> dict:
+    """compressed-tensors' description of FP8 E4M3 weights (static, symmetric), float activations."""
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    if strategy == "block":
+        weights["block_structure"] = [BLOCK, BLOCK]
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": ["lm_head"]}

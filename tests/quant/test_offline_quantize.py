@@ -1,0 +1,125 @@
+"""`tokenmill quantize`: GPTQ onto the FP8 E4M3 grid (quant/gptq.py) lowers a layer's output error on its
+calibration inputs below round-to-nearest's while every value stays on the grid RTN would write to, and
+equals RTN where the inputs are uncorrelated; the written compressed-tensors checkpoint loads with the
+checkpoint's own codes, and the engine's logits equal transformers' on the dequantized weights."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.quant.gptq import GPTQConfig, output_error, quantize_weight
+from tokenmill.quant.offline import fp8_scales, round_e4m3
+
+PROMPT = [11, 220, 4890, 17, 9, 300, 5, 5, 1000, 2000, 3000, 4000]
+
+
+def _correlated_inputs(k: int, tokens: int = 2048, seed: int = 0) -> torch.Tensor:
+    """Inputs whose features are correlated and of unequal size, as a layer's activations are."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    return (torch.randn(tokens, k, generator=g) @ mix) * torch.linspace(0.2, 3.0, k)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_lowers_the_output_error_and_stays_on_the_grid(strategy, act_order):
+    w = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)) * 0.05
+    x = _correlated_inputs(160)
+    h = (x.T @ x).double() / len(x)
+    _, full = fp8_scales(w, strategy)
+    rtn = round_e4m3(w, full)
+    gptq = quantize_weight(w, h, full, round_e4m3, GPTQConfig(block=32, act_order=act_order))
+    assert torch.equal(round_e4m3(gptq, full), gptq)              # every value a code x its scale
+    assert output_error(w, gptq, h) < 0.8 * output_error(w, rtn, h)
+    y, y_rtn, y_gptq = x @ w.T, x @ rtn.T, x @ gptq.T             # the same seen on the inputs themselves
+    assert (y - y_gptq).norm() < (y - y_rtn).norm()
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    _, full = fp8_scales(w, "channel")
+    same = quantize_weight(w, torch.eye(64, dtype=torch.float64) * 3.0, full, round_e4m3)
+    assert torch.equal(same, round_e4m3(w, full))
+
+
+def test_gptq_dead_inputs_and_shape_errors():
+    w = torch.randn(8, 16)
+    h = torch.eye(16, dtype=torch.float64)
+    h[3, 3] = 0                                                       # an input that is always zero
+    _, full = fp8_scales(w, "channel")
+    assert quantize_weight(w, h, full, round_e4m3)[:, 3].eq(0).all()
+    with pytest.raises(ValueError, match=r"hessian \[16, 16\] and scales \[8, 16\]"):
+        quantize_weight(w, h[:8, :8], full, round_e4m3)
+
+
+def test_scales_follow_compressed_tensors_shapes():
+    w = torch.randn(200, 300)
+    w[:, :128] = 0                                                    # a zero block gets scale 1, not 0
+    assert fp8_scales(w, "tensor")[0].shape == (1,)
+    assert fp8_scales(w, "channel")[0].shape == (200, 1)
+    block = fp8_scales(w, "block")[0]
+    assert block.shape == (2, 3) and block[0, 0] == 1.0
+    assert torch.allclose(block[1, 2], w[128:, 256:].abs().max() / 448)
+
+
+def _reference_logits(src: str, tensors: dict[str, torch.Tensor], ids) -> torch.Tensor:
+    """transformers' logits of the float model at src with `tensors` (dequantized weights) in place."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model.load_state_dict(tensors, strict=False)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_the_written_checkpoint_loads_with_its_codes(tiny_model_factory, tmp_path, strategy):
+    from safetensors.torch import load_file
+    from tokenmill.cli import main
+    from tokenmill.quant import fp8
+    src = tiny_model_factory("llama", hidden_size=256, intermediate_size=384, tie_word_embeddings=True)
+    out = str(tmp_path / "fp8")
+    assert main(["quantize", "--model", src, "--out", out, "--strategy", strategy,
+                 "--num-calibration-sequences", "4", "--calibration-max-tokens", "24"]) == 0
+    written = load_file(os.path.join(out, "model.safetensors"))
+    report = json.load(open(os.path.join(out, "quantize_report.json")))
+    assert report["calibration_tokens"] > 4 * 24 and len(report["layers"]) == 2 * 7     # 2 layers x 7 projections
+    assert all(r["output_error"] <= r["rtn_output_error"] for r in report["layers"].values())
+    assert "lm_head.weight" not in written and written["model.embed_tokens.weight"].dtype == torch.float32
+    codes = written["model.layers.1.mlp.down_proj.weight"]
+    assert codes.dtype == torch.float8_e4m3fn
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]["format"] == "float-quantized"
+
+    llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    down = llm.engine.core.runner.model.model.layers[1].mlp.down_proj
+    assert down.quant_method.name == "fp8"
+    assert torch.equal(down.fp8_weight[0].view(torch.uint8), codes.view(torch.uint8))       # the file's own codes
+    dequantized = {}
+    for name, t in written.items():
+        if t.dtype == torch.float8_e4m3fn:
+            scale = written[name.removesuffix("weight") + "weight_scale"]
+            kblock = fp8.BLOCK if strategy == "block" else t.shape[1]
+            dequantized[name] = fp8.dequantize(t, fp8.expand_scale(t, strategy, scale, kblock), kblock)
+    from tests.quant.test_fp8 import _engine_logits
+    logits, tokens = _engine_logits(llm, PROMPT)
+    ref = _reference_logits(src, dequantized, PROMPT)
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+def test_rtn_needs_no_calibration_and_moe_is_refused(tiny_model_factory, tmp_path, capsys):
+    from tokenmill.cli import main
+    src = tiny_model_factory("llama")
+    out = str(tmp_path / "rtn")
+    assert main(["quantize", "--model", src, "--out", out, "--algorithm", "rtn", "--strategy", "tensor"]) == 0
+    assert json.load(open(os.path.join(out, "quantize_report.json")))["calibration_tokens"] == 0
+    assert LLM(out, kv_cache_memory_bytes=1 << 22).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+    moe = tiny_model_factory("mixtral")
+    assert main(["quantize", "--model", moe, "--out", str(tmp_path / "moe")]) == 2
+    assert "mixture-of-experts models are not supported yet" in capsys.readouterr().err
+    assert main(["quantize", "--model", src, "--out", str(tmp_path / "x"), "--damp", "1.5"]) == 2
+    assert "damp must be in [0, 1)" in capsys.readouterr().err
