@@ -1,6 +1,6 @@
 """Decode steps run one native call per decoder layer (csrc/decode_layer.cpp): the same kernels as the
 per-op path, so the same tokens and (to float rounding) the same log-probabilities. Every step here runs the
-tile kernels (float32 up to 128 rows, int8/int4 at any size); float32's large-step kernel (oneDNN, what
+tile kernels (float32 up to 128 rows, int8/int4 at any size) or FP8's grouped GEMM; float32's large-step kernel (oneDNN, what
 UnquantizedMethod.apply runs) is checked at 17 and 40 rows by forcing a smaller limit."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def run(model_dir: str, mode: str | None, native: bool, prompts):
     return bound, [(o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4", "fp8"])
 @pytest.mark.parametrize("arch,overrides", [("llama", dict(tie_word_embeddings=True)),
                                             ("qwen2", dict(tie_word_embeddings=False))])   # qkv bias
 @pytest.mark.parametrize("batch", [1, 3, 20])
@@ -54,7 +54,7 @@ def test_w8a8_keeps_the_per_op_path(tiny_model_factory):
     assert not bound
 
 
-@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4", "fp8"])
 def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_model_factory, mode):
     llm = LLM(tiny_model_factory("qwen2"), quantization=mode, enable_prefix_caching=False,
               kv_cache_memory_bytes=1 << 22)
@@ -75,7 +75,7 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
                 x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
                 expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
                 torch.testing.assert_close(limited(x), expected, rtol=0, atol=0)
-        else:                                         # int8/int4: the tiles are the only copy
+        else:                                         # int8/int4/fp8: the packed codes are the only copy
             assert linear.quant_method.large_kernel(linear) is None
             assert getattr(linear, "qweight", None) is None and getattr(linear, "int4_packed", None) is None
 

@@ -31,6 +31,27 @@ def test_the_kernel_decodes_every_e4m3_code_exactly():
     layer.fp8_scale.fill_(1.0)
     y = layer(torch.eye(256))                                          # row i: code i decoded
     assert torch.equal(y[:, 0], codes.view(torch.float8_e4m3fn).float())
+    one_row = torch.cat([layer(row.unsqueeze(0))[:, 0] for row in torch.eye(256)])   # the batch-1 kernel
+    assert torch.equal(one_row, codes.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("k,kblock", [(200, None), (264, None), (392, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_the_kernel_matches_the_dequantized_matmul(k, kblock, rows):
+    """Row counts of each kernel path (one row, a pass of 8, a remainder), K off the 16-wide vectors, per-channel
+    and 128-block scales: within float32 summation error of x @ dequantized^T computed in float64."""
+    from tokenmill.quant import fp8
+    g = torch.Generator().manual_seed(k + rows)
+    w = torch.randn(40, k, generator=g) * torch.logspace(-6, 1, k)    # subnormal codes included
+    kb = kblock or k
+    scales = torch.stack([w[:, b:b + kb].abs().amax(1) / E4M3_MAX for b in range(0, k, kb)], dim=1)
+    codes = fp8.quantize_with(w, scales, kb)
+    x = torch.randn(rows, k, generator=g)
+    dequantized = fp8.dequantize(codes, scales, kb)
+    y = fp8.grouped_linear(x, codes.unsqueeze(0).contiguous(), scales.unsqueeze(0).contiguous(), kb,
+                           lambda: dequantized)
+    ref = x.double() @ dequantized.double().t()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
 def _reference_logits(model_dir: str, weights: dict[str, torch.Tensor], ids) -> torch.Tensor:

@@ -5,8 +5,10 @@
 //
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
-// (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), plus an optional bias [N]; above, the layer's LargeLinear (oneDNN), when it has one. Needs
-// the tile kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
+// (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), "fp8" codes [1, N, K] + scales [1, N, KB] (the grouped
+// GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it), plus an optional bias [N]; above, the
+// layer's LargeLinear (oneDNN), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the
+// per-op path runs.
 #include "decode_layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,6 +17,7 @@
 
 #include "cpu_kernels.h"
 #include "gemv_kernels.h"
+#include "moe_kernels.h"
 
 namespace {
 
@@ -37,14 +40,27 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
                            LargeLinear large)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
       small_rows_(small_rows), large_(std::move(large)) {
-  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4", "DecodeLinear: unknown kind ",
-              kind_);
-  TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4") || scales_.has_value(), "DecodeLinear: ", kind_,
+  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4" || kind_ == "fp8",
+              "DecodeLinear: unknown kind ", kind_);
+  TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4" && kind_ != "fp8") || scales_.has_value(), "DecodeLinear: ", kind_,
               " needs its scales");
+  if (kind_ == "fp8") {
+    TORCH_CHECK(weight_.dim() == 3 && weight_.size(0) == 1 && scales_->dim() == 3 &&
+                    scales_->size(2) == (weight_.size(2) + fp8_kblock() - 1) / fp8_kblock(),
+                "DecodeLinear: fp8 needs codes [1, N, K] and scales [1, N, K / kblock] (kblock K or 128)");
+#ifndef TOKENMILL_MOE_KERNELS
+    TORCH_CHECK(false, "DecodeLinear: fp8 needs the grouped GEMM (AVX2 and FMA)");
+#endif
+  }
   TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn", "DecodeLinear: unknown large kind ", large_.kind);
 #ifndef TOKENMILL_GEMV_KERNELS
   TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
 #endif
+}
+
+// FP8 scales: one per row (KB = 1: kblock = K) or per 128 inputs (quant/fp8.py's only two layouts).
+int64_t DecodeLinear::fp8_kblock() const {
+  return scales_->size(2) == 1 ? weight_.size(2) : 128;
 }
 
 int64_t DecodeLinear::max_rows() const {
@@ -67,6 +83,11 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
     y = gemv_q4(x, weight_, n_);
   } else if (kind_ == "nvfp4") {
     y = gemv_nvfp4(x, weight_, *scales_, n_);
+  } else if (kind_ == "fp8") {
+#ifdef TOKENMILL_MOE_KERNELS
+    const torch::Tensor one_run = torch::tensor({int64_t(0), x.size(0)}, torch::kInt64);
+    y = moe_grouped_gemm(x.contiguous(), one_run, weight_, scales_, fp8_kblock(), c10::nullopt);
+#endif
   } else {
     y = gemv_q8(x, weight_, *scales_, n_);
   }

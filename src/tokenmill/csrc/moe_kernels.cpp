@@ -47,6 +47,75 @@ inline __m256 load8(const Fp8* w) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
+#ifdef __AVX512F__
+// AVX-512 FP8 paths (16 weights a vector): the decode is the bound of an FP8 dot product, and one 16-wide
+// decode costs the ops of one 8-wide.
+//
+// 16 E4M3 codes (zero-extended to 32 bits) -> float32 exactly, as load8(const Fp8*) decodes 8: t = code << 20 puts the 7 magnitude bits at
+// float32's bits 26..20 (exponent bias 127 instead of 7: times 2^-120, undone by the multiply; E4M3's
+// subnormals land on float32 subnormals, which the multiply scales exactly) and the sign at bit 27, moved
+// to bit 31 by a second shift and or-ed in (vpternlogd 0xF8: a | (b & c)).
+inline __m512 e4m3x16(__m512i b) {
+  const __m512i t = _mm512_slli_epi32(b, 20);
+  const __m512i magnitude = _mm512_and_si512(t, _mm512_set1_epi32(0x07F00000));
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(0x1p120f));
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(value), _mm512_slli_epi32(t, 4),
+                                                       _mm512_set1_epi32(int(0x80000000u)), 0xF8));
+}
+inline __m512 load16(const Fp8* w) {
+  return e4m3x16(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+// The last 8 codes of a row whose K is 8 past a multiple of 16 (the upper 8 lanes decode 0).
+inline __m512 load16_tail8(const Fp8* w) {
+  return e4m3x16(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// One row of x against an FP8 row (K a multiple of 8): per block, four accumulator chains of unscaled
+// products, then the block's sum times its scale (one multiply a block, not one a vector).
+inline void dot_one_fp8(const float* x, int64_t K, const Fp8* w, float* out, const float* scale, int64_t kblock) {
+  __m512 total = _mm512_setzero_ps();
+  const int64_t blocks = (K + kblock - 1) / kblock;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t k1 = std::min(K, (b + 1) * kblock);
+    int64_t k = b * kblock;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 64 <= k1; k += 64) {
+      a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+      a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+      a2 = _mm512_fmadd_ps(load16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+      a3 = _mm512_fmadd_ps(load16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= k1; k += 16) a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+    if (k < k1) a1 = _mm512_fmadd_ps(load16_tail8(w + k), _mm512_maskz_loadu_ps(0x00FF, x + k), a1);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    total = scale ? _mm512_fmadd_ps(sum, _mm512_set1_ps(scale[b]), total) : _mm512_add_ps(total, sum);
+  }
+  out[0] = _mm512_reduce_add_ps(total);
+}
+
+// M rows of x (K apart) against an FP8 row: 16 weights decoded and scaled once, shared by the M rows' FMAs.
+template <int M>
+inline void dot_rows_fp8(const float* x, int64_t K, const Fp8* w, float* out, int64_t ldo, const float* scale,
+                         int64_t kblock) {
+  __m512 acc[M];
+  for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
+    const __m512 s = _mm512_set1_ps(scale ? scale[b] : 1.0f);
+    const int64_t k1 = std::min(K, k0 + kblock);
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      const __m512 wv = _mm512_mul_ps(load16(w + k), s);
+      for (int i = 0; i < M; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i * K + k), acc[i]);
+    }
+    if (k < k1) {
+      const __m512 wv = _mm512_mul_ps(load16_tail8(w + k), s);
+      for (int i = 0; i < M; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(0x00FF, x + i * K + k), acc[i]);
+    }
+  }
+  for (int i = 0; i < M; i++) out[i * ldo] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
 // E2M1 -> float32 exactly, 8 weights from 4 bytes: lane j takes bits 4j..4j+3 of the little-endian word (byte
 // j / 2, the low nibble for even j), its 3 magnitude bits index the 8 values, bit 3 is the sign.
 inline __m256 load8(const Fp4* w) {
@@ -232,6 +301,13 @@ template <class W>
 inline void dot_any(int m, const float* x, int64_t K, const W* w, float* out, int64_t ldo, const float* scale,
                     int64_t kblock) {
   with_rows(m, [&](auto rows) {
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<W, Fp8>) {
+      if constexpr (rows() == 1) dot_one_fp8(x, K, w, out, scale, kblock);
+      else dot_rows_fp8<rows()>(x, K, w, out, ldo, scale, kblock);
+      return;
+    }
+#endif
     // FP4 comes here only off dot_any_fp4's shapes: its decode is the bound, the split chains measured slower
     if constexpr (rows() == 1 && !std::is_same_v<W, Fp4>) dot_one(x, K, w, out, scale, kblock);
     else dot_rows<rows()>(x, K, w, out, ldo, scale, kblock);

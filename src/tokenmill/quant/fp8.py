@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.quant import tile_kernels
 from tokenmill.quant.base import QuantMethod
 
 E4M3_MAX = 448.0
@@ -27,6 +28,8 @@ class FP8Method(QuantMethod):
     # Pre-quantized checkpoints keep whatever they keep float.
     quantize_tied_lm_head = True
     lm_head_method = "int8"
+    # One kernel at every step size: `apply`'s grouped GEMM, which the native decoder layer also runs
+    tile_max_rows = tile_kernels.ANY_ROWS
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
@@ -72,6 +75,17 @@ class FP8Method(QuantMethod):
         layer.register_buffer("fp8_weight", q.unsqueeze(0).contiguous(), persistent=False)    # [1, N, K]
         layer.register_buffer("fp8_scale", scales.unsqueeze(0).contiguous(), persistent=False)  # [1, N, KB]
         layer.fp8_kblock = kblock
+
+    def tile_weights(self, layer):
+        """("fp8", codes [1, N, K], scales [1, N, KB]) for csrc/decode_layer.cpp's DecodeLinear, which runs
+        the same grouped GEMM as `apply`; None without the native tile kernels (no native decoder layer)."""
+        if tile_kernels.kernels() is None or not hasattr(tile_kernels.kernels(), "moe_grouped_gemm"):
+            return None
+        return "fp8", layer.fp8_weight, layer.fp8_scale
+
+    def tile_kernel(self, layer):
+        """`apply` itself at every step size (tile_weights only names its kernel for the decoder layer)."""
+        return (lambda x: self.apply(layer, x)) if self.tile_weights(layer) is not None else None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
