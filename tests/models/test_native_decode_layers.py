@@ -75,7 +75,10 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
                 x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
                 expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
                 torch.testing.assert_close(limited(x), expected, rtol=0, atol=0)
-        else:                                         # int8/int4/fp8: the packed codes are the only copy
+        elif mode == "fp8":                           # above 40 rows: the weight dequantized, one float32 GEMM
+            assert linear.quant_method.large_kernel(linear)[0] == "fp8" and linear.tile_max_rows == 40
+            assert getattr(linear, "weight", None) is None
+        else:                                         # int8/int4: the tiles are the only copy
             assert linear.quant_method.large_kernel(linear) is None
             assert getattr(linear, "qweight", None) is None and getattr(linear, "int4_packed", None) is None
 

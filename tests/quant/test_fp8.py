@@ -233,3 +233,24 @@ def test_modelopt_w4a8_awq_is_rejected_by_name(tiny_model_factory, tmp_path):
     json.dump({"quantization": {"quant_algo": "W4A8_AWQ"}}, open(os.path.join(out, "hf_quant_config.json"), "w"))
     with pytest.raises(ValueError, match="ModelOpt quant_algo 'W4A8_AWQ' is not supported"):
         LLM(out, kv_cache_memory_bytes=1 << 22)
+
+
+def test_steps_above_the_tile_rows_run_the_dequantized_weight():
+    """More than tile_max_rows rows: the weight dequantized natively (bitwise quant/fp8.py's dequantize) and
+    one float32 GEMM; within float32 summation error of the float64 reference, as the kernel path."""
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantize import quantize_model
+    from tokenmill.quant import fp8, tile_kernels
+    if tile_kernels.kernels() is None:
+        pytest.skip("needs the native tile kernels")
+    layer = Linear(136, 48, bias=True)
+    torch.nn.init.normal_(layer.weight, std=0.1, generator=torch.Generator().manual_seed(3))
+    torch.nn.init.normal_(layer.bias, generator=torch.Generator().manual_seed(4))
+    quantize_model(layer, "fp8")
+    codes, scales = layer.fp8_weight[0], layer.fp8_scale[0]
+    native = tile_kernels.kernels().fp8_dequantize(codes, scales, layer.fp8_kblock)
+    assert torch.equal(native, fp8.dequantize(codes, scales, layer.fp8_kblock))
+    for rows in (layer.tile_max_rows, layer.tile_max_rows + 1, 100):
+        x = torch.randn(rows, 136, generator=torch.Generator().manual_seed(rows))
+        ref = x.double() @ native.double().t() + layer.bias.double()
+        assert ((layer(x).double() - ref).norm() / ref.norm()).item() < 1e-6

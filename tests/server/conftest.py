@@ -41,6 +41,7 @@ class ServerProcess:
         cmd = [sys.executable, *entry, "--model", model_dir, "--port", str(self.port),
                "--num-threads", "1", "--log-level", "warning", *extra]
         self._log = open(log_path, "w")
+        self._terminated = False
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self._wait_healthy()
@@ -68,9 +69,15 @@ class ServerProcess:
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 
+    def begin_stop(self) -> None:
+        """SIGTERM, once (a second one makes the server force its exit)."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout_s: float = 30) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.begin_stop()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -90,6 +97,8 @@ def start_server(tiny_model_dir, tmp_path_factory):
         started.append(s)
         return s
     yield start
+    for s in started:                 # every server shuts down at once, then each is waited for
+        s.begin_stop()
     for s in started:
         s.stop()
 

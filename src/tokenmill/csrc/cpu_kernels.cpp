@@ -461,6 +461,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_grouped_gemm", &moe_grouped_gemm, "rows sorted by expert x each expert's [N, K] weight (CPU)",
         py::arg("x"), py::arg("run_starts"), py::arg("w"), py::arg("scale"), py::arg("kblock") = 0,
         py::arg("row_scale") = py::none());
+  m.def("fp8_dequantize", &fp8_dequantize, "FP8 codes [N, K] x scales [N, K / kblock] -> float32 [N, K] (CPU)",
+        py::arg("codes"), py::arg("scales"), py::arg("kblock"));
 #endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));

@@ -52,7 +52,8 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
     TORCH_CHECK(false, "DecodeLinear: fp8 needs the grouped GEMM (AVX2 and FMA)");
 #endif
   }
-  TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn", "DecodeLinear: unknown large kind ", large_.kind);
+  TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn" || (large_.kind == "fp8" && kind_ == "fp8"),
+              "DecodeLinear: unknown large kind ", large_.kind);
 #ifndef TOKENMILL_GEMV_KERNELS
   TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
 #endif
@@ -70,6 +71,10 @@ int64_t DecodeLinear::max_rows() const {
 torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
   TORCH_CHECK(!large_.kind.empty(), "DecodeLinear: ", x.size(0), " rows but no kernel for more than ",
               small_rows_);
+#ifdef TOKENMILL_MOE_KERNELS
+  if (large_.kind == "fp8")                                 // FP8Method.apply above its tile_max_rows
+    return at::linear(x, fp8_dequantize(weight_.select(0, 0), scales_->select(0, 0), fp8_kblock()), bias_);
+#endif
   return onednn_linear(x, large_.weight, bias_);
 }
 

@@ -436,4 +436,26 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
   }
   return y;
 }
+
+torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) % 8 == 0,
+              "fp8_dequantize: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ", codes.sizes());
+  const int64_t N = codes.size(0), K = codes.size(1);
+  if (kblock <= 0) kblock = K;
+  TORCH_CHECK(kblock == K || kblock % 8 == 0, "fp8_dequantize: kblock must be K or a multiple of 8");
+  const int64_t KB = (K + kblock - 1) / kblock;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
+              "fp8_dequantize: scales must be contiguous float32 [N, K / kblock]");
+  auto out = torch::empty({N, K}, scales.options());
+  const Fp8* w = reinterpret_cast<const Fp8*>(codes.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(y + n * K + k, _mm256_mul_ps(load8(w + n * K + k), _mm256_set1_ps(s[n * KB + k / kblock])));
+  });
+  return out;
+}
 #endif

@@ -17,4 +17,8 @@
 torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
                                c10::optional<torch::Tensor> scale, int64_t kblock,
                                c10::optional<torch::Tensor> row_scale);
+// FP8 codes [N, K] float8_e4m3fn and scales [N, K / kblock] float32 -> the float32 weight [N, K], each value
+// code x scale rounded as float32 multiplies it (bitwise what quant/fp8.py dequantize gives), for GEMMs of
+// many rows that run faster as one float32 GEMM than as the grouped kernel's dot products.
+torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t kblock);
 #endif

@@ -28,8 +28,11 @@ class FP8Method(QuantMethod):
     # Pre-quantized checkpoints keep whatever they keep float.
     quantize_tied_lm_head = True
     lm_head_method = "int8"
-    # One kernel at every step size: `apply`'s grouped GEMM, which the native decoder layer also runs
-    tile_max_rows = tile_kernels.ANY_ROWS
+    # Steps of up to this many rows run the grouped GEMM's dot products (each weight decoded in registers,
+    # a pass per 8 rows: memory-bound decode steps); larger ones dequantize the layer's weight to float32
+    # (a temporary [N, K]) and run one float32 GEMM, several times faster per row there. Both compute
+    # x @ (code x scale)^T in float32; the native decoder layer runs the same two kernels.
+    tile_max_rows = 40
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
@@ -84,10 +87,18 @@ class FP8Method(QuantMethod):
         return "fp8", layer.fp8_weight, layer.fp8_scale
 
     def tile_kernel(self, layer):
-        """`apply` itself at every step size (tile_weights only names its kernel for the decoder layer)."""
+        """`apply` itself (tile_weights only names its kernels for the decoder layer)."""
         return (lambda x: self.apply(layer, x)) if self.tile_weights(layer) is not None else None
 
+    def large_kernel(self, layer):
+        """Above tile_max_rows: csrc/decode_layer.cpp's LargeLinear "fp8" (fp8_dequantize, then the float32
+        GEMM), as `apply` runs it."""
+        return None if self.tile_weights(layer) is None else ("fp8", layer.fp8_weight)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.tile_max_rows and self.tile_weights(layer) is not None:
+            w = tile_kernels.kernels().fp8_dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
+            return torch.nn.functional.linear(x.float(), w, layer.bias)
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
                            lambda: dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
         return self.add_bias(layer, y)
