@@ -92,6 +92,8 @@ def test_the_written_checkpoint_loads_with_its_codes(tiny_model_factory, tmp_pat
     codes = written["model.layers.1.mlp.down_proj.weight"]
     assert codes.dtype == torch.float8_e4m3fn
     assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]["format"] == "float-quantized"
+    for kept in ("generation_config.json", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(out, kept)) == os.path.isfile(os.path.join(src, kept)), kept
 
     llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
     down = llm.engine.core.runner.model.model.layers[1].mlp.down_proj

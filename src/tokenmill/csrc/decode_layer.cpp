@@ -7,8 +7,8 @@
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
 // (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), "fp8" codes [1, N, K] + scales [1, N, KB] (the grouped
 // GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it), plus an optional bias [N]; above, the
-// layer's LargeLinear (oneDNN), when it has one. Needs the tile kernels (AVX-512 VNNI builds): elsewhere the
-// per-op path runs.
+// layer's LargeLinear (oneDNN; fp8: the weight dequantized, then at::linear), when it has one. Needs the tile
+// kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -9,7 +9,9 @@ Activations stay float32: the exact reference of the format (this CPU has no FP8
 Scales come from the checkpoint where it is pre-quantized (quant/prequantized.py attaches them to the layer
 as `checkpoint_fp8`: per shard of a fused layer, the strategy and the scale), so the codes are the
 checkpoint's own; otherwise (quantization="fp8" on a float checkpoint) per output channel, amax / 448.
-Without the native build, `apply` dequantizes the layer's weight per call (slow, exact)."""
+Steps of more than `tile_max_rows` rows (prefill chunks, large decode batches) dequantize the layer's weight
+natively into a temporary float32 [N, K] (fp8_dequantize: bitwise `dequantize` below) and run one float32
+GEMM. Without the native build, `apply` dequantizes the layer's weight per call in torch (slow, exact)."""
 from __future__ import annotations
 
 import torch

@@ -13,12 +13,14 @@ the layout llm-compressor writes (quant/prequantized.py reads it).
    weight rounded to the E4M3 grid either to nearest (`rtn`) or by GPTQ (quant/gptq.py: the layer's
    output error on the calibration inputs kept small).
 4. Writing: the float tensors as they are (a tied head stays tied), the codes and scales, config.json with
-   its `quantization_config`, the tokenizer, and quantize_report.json (settings, tokens, and per layer the
-   output error trace((W - Q) H (W - Q)^T) of the rounding chosen and of RTN)."""
+   its `quantization_config`, the tokenizer (and generation_config.json where the source has one), and
+   quantize_report.json (settings, tokens, and per layer the output error trace((W - Q) H (W - Q)^T) of
+   the rounding chosen and of RTN)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -176,6 +178,9 @@ def write_checkpoint(out: str, model: nn.Module, source, quantized: dict[str, Qu
     config.quantization_config = quantization_config(cfg.strategy)
     config.save_pretrained(out)
     source.load_tokenizer().save_pretrained(out)
+    generation = os.path.join(source.path, "generation_config.json")       # an HF directory's extra EOS ids
+    if os.path.isdir(source.path) and os.path.isfile(generation):
+        shutil.copy(generation, out)
     report = {"source": source.path, "settings": asdict(cfg), "calibration_tokens": tokens,
               "layers": {n: {"output_error": q.error, "rtn_output_error": q.rtn_error}
                          for n, q in quantized.items()}}
