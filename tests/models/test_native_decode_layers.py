@@ -22,9 +22,9 @@ PROMPTS = [[11, 220, 4890, 17, 9, 300, 5], [7, 8, 9], [1000, 2000, 3000, 4000, 5
     [[_rng.randrange(10, 5000) for _ in range(_rng.randrange(1, 12))] for _ in range(17)]
 
 
-def run(model_dir: str, mode: str | None, native: bool, prompts):
+def run(model_dir: str, mode: str | None, native: bool, prompts, kv_cache_dtype: str = "auto"):
     llm = LLM(model_dir, quantization=mode, native_decode_layers=native, enable_prefix_caching=False,
-              kv_cache_memory_bytes=1 << 23, block_size=4)
+              kv_cache_memory_bytes=1 << 23, block_size=4, kv_cache_dtype=kv_cache_dtype)
     program = llm.engine.core.runner.fused_decode          # platforms/cpu_decode.py NativeDecodeProgram
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
@@ -43,6 +43,20 @@ def test_native_layers_match_the_per_op_path(tiny_model_factory, mode, arch, ove
     prompts = PROMPTS[:batch]
     bound, native = run(model_dir, mode, True, prompts)
     unbound, per_op = run(model_dir, mode, False, prompts)
+    assert bound and not unbound
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(native, per_op):
+        assert tokens_a == tokens_b
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", [None, "int4"])
+@pytest.mark.parametrize("batch", [1, 20])
+def test_an_fp8_kv_cache_runs_the_native_layers_as_the_per_op_path(tiny_model_factory, mode, batch):
+    """The native layers write the FP8 codes (bitwise fp8_kv.quantize) and read them in the same kernel as the
+    per-op path, under the scales the first prefill calibrated."""
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=False)
+    bound, native = run(model_dir, mode, True, PROMPTS[:batch], kv_cache_dtype="fp8")
+    unbound, per_op = run(model_dir, mode, False, PROMPTS[:batch], kv_cache_dtype="fp8")
     assert bound and not unbound
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(native, per_op):
         assert tokens_a == tokens_b

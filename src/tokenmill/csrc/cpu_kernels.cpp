@@ -454,7 +454,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("max_rows", &DecodeLinear::max_rows);
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, DecodeLinear, DecodeLinear, DecodeLinear, DecodeLinear,
-                    int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>())
+                    int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o_proj"),
+           py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("scale"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale") = py::none(),
+           py::arg("v_scale") = py::none())
       .def("forward", &DecodeLayer::forward, "one decoder layer for a decode step (decode_layer.cpp)")
       .def("max_rows", &DecodeLayer::max_rows, "the most rows a decode step may have");
 #ifdef TOKENMILL_MOE_KERNELS   // AVX2 + FMA builds; Python checks hasattr(module, "moe_grouped_gemm")

@@ -16,10 +16,39 @@
 #include <limits>
 
 #include "cpu_kernels.h"
+#include "fp8_attention.h"
 #include "gemv_kernels.h"
 #include "moe_kernels.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+
 namespace {
+
+// k, v [T, KV, D] float32 -> E4M3 codes at their slots of the float8 caches [KV, S, D]: x / scale[h] in
+// float32, clamped to +-448, rounded as torch's float8_e4m3fn conversion rounds (c10::Float8_e4m3fn) --
+// bitwise layers/attention/fp8_kv.py's quantize.
+void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& k_scale,
+                        const torch::Tensor& v_scale) {
+  const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const auto write = [&](const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scale) {
+    const torch::Tensor xc = x.contiguous();
+    const float* src = xc.data_ptr<float>();
+    const float* s = scale.data_ptr<float>();
+    uint8_t* dst = reinterpret_cast<uint8_t*>(cache.data_ptr());
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t h = 0; h < KV; h++)
+        for (int64_t d = 0; d < D; d++) {
+          const float q = std::min(448.0f, std::max(-448.0f, src[(t * KV + h) * D + d] / s[h]));
+          dst[(h * S + slots[t]) * D + d] = c10::Float8_e4m3fn(q).x;
+        }
+  };
+  write(k, k_cache, k_scale);
+  write(v, v_cache, v_scale);
+}
 
 // oneDNN's linear over a reordered weight, the op UnquantizedMethod.apply calls from Python
 // (mkldnn::_linear_pointwise, registered by PyTorch: called through the dispatcher, boxed).
@@ -104,10 +133,17 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
 DecodeLayer::DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
                          DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache,
-                         torch::Tensor v_cache)
+                         torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale,
+                         c10::optional<torch::Tensor> v_scale)
     : input_norm_(input_norm), post_norm_(post_norm), eps_(eps), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)),
       gate_up_(std::move(gate_up)), down_(std::move(down)), heads_(num_heads), kv_heads_(num_kv_heads),
-      head_dim_(head_dim), scale_(scale), k_cache_(k_cache), v_cache_(v_cache) {}
+      head_dim_(head_dim), scale_(scale), k_cache_(k_cache), v_cache_(v_cache), k_scale_(k_scale),
+      v_scale_(v_scale) {
+  const bool fp8 = k_cache_.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == k_scale_.has_value() && fp8 == v_scale_.has_value() &&
+                  (fp8 || k_cache_.scalar_type() == torch::kFloat32),
+              "DecodeLayer: a float32 cache takes no scales, an FP8 (float8_e4m3fn) cache needs k and v scales");
+}
 
 int64_t DecodeLayer::max_rows() const {
   return std::min({qkv_.max_rows(), o_proj_.max_rows(), gate_up_.max_rows(), down_.max_rows()});
@@ -129,9 +165,16 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c
   torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
   rotary_inplace(q, step.cos, step.sin);
   rotary_inplace(k, step.cos, step.sin);
-  write_kv_cache(k, v, k_cache_, v_cache_, step.slot_mapping);
-  const torch::Tensor attn = paged_decode_attention(q.contiguous(), k_cache_, v_cache_, step.decode_slots,
-                                                    step.decode_lens, scale_).view({T, q_size});
+  torch::Tensor attn;
+  if (k_scale_.has_value()) {                               // FP8 cache: as fp8_kv.write_fp8_cache stores it
+    write_kv_cache_fp8(k, v, k_cache_, v_cache_, step.slot_mapping, *k_scale_, *v_scale_);
+    attn = paged_decode_attention_fp8(q.contiguous(), k_cache_.view(torch::kUInt8), v_cache_.view(torch::kUInt8),
+                                      step.decode_slots, step.decode_lens, scale_, *k_scale_, *v_scale_);
+  } else {
+    write_kv_cache(k, v, k_cache_, v_cache_, step.slot_mapping);
+    attn = paged_decode_attention(q.contiguous(), k_cache_, v_cache_, step.decode_slots, step.decode_lens, scale_);
+  }
+  attn = attn.view({T, q_size});
   const torch::Tensor h2 = rms_norm(o_proj_(attn), residual, post_norm_, eps_);
   return {down_(silu_and_mul(gate_up_(h2))), *residual};
 }

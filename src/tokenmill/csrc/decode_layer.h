@@ -44,7 +44,8 @@ class DecodeLayer {
  public:
   DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
               DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache, torch::Tensor v_cache);
+              int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache, torch::Tensor v_cache,
+              c10::optional<torch::Tensor> k_scale = c10::nullopt, c10::optional<torch::Tensor> v_scale = c10::nullopt);
   // x [T, hidden]; residual [T, hidden] or None (first layer) -> (mlp output, residual), as
   // LlamaDecoderLayer.forward. The residual is updated in place.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
@@ -58,4 +59,7 @@ class DecodeLayer {
   int64_t heads_, kv_heads_, head_dim_;
   double scale_;
   torch::Tensor k_cache_, v_cache_;
+  // An FP8 cache (float8_e4m3fn codes): the layer's per-kv-head scales [KV] float32, held by reference (the
+  // Python KVScales updates them in place when it calibrates); nullopt for a float32 cache.
+  c10::optional<torch::Tensor> k_scale_, v_scale_;
 };

@@ -29,10 +29,8 @@ class CPUPlatform(Platform):
         decoder = model.dense_decoder()
         if not config.native_decode_layers or decoder is None or tensor_parallel().size > 1:   # no all-reduce
             return None
-        if config.model.kv_cache_dtype is not None:        # the fused layers read a float32 cache only
-            return None
         from tokenmill.platforms.cpu_decode import NativeDecodeProgram
-        return NativeDecodeProgram.build(decoder)
+        return NativeDecodeProgram.build(decoder)         # None where a layer's cache is neither float32 nor FP8
 
     def moe_kernel(self, moe) -> str:
         """The native grouped GEMM where it takes the experts (float32 or int8, AVX2), else the Linears."""

@@ -5,7 +5,8 @@ Built once, after quantization and KV cache binding, from the model's DenseDecod
 step runs here when every row is one request's single new token and there are at most `max_rows` rows:
 any number where every linear layer's tiles take every step (int8, int4) or its method names its
 large-step kernel (float32: oneDNN), else the tile kernels' limit. `build` returns None (per-op path
-only) without the tile kernels or for layers they cannot take (e.g. w8a8)."""
+only) without the tile kernels or for layers they cannot take (e.g. w8a8). A float32 or an FP8 KV cache
+(written and read as layers/attention/fp8_kv.py and the CPU backend do)."""
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ class NativeDecodeProgram:
         built = []
         for layer in decoder.layers:
             attn = layer.attention
-            if attn.k_cache is None or attn.k_cache.dtype != torch.float32 or attn.backend is None \
-                    or attn.backend.name != "cpu":
+            scales = getattr(attn, "kv_scales", None)          # an FP8 cache's (fp8_kv.KVScales), else None
+            cache_ok = attn.k_cache is not None and (attn.k_cache.dtype == torch.float32 if scales is None
+                                                     else attn.k_cache.dtype == torch.float8_e4m3fn)
+            if not cache_ok or attn.backend is None or attn.backend.name != "cpu":
                 return None
             linears = [m.native_decode_linear(native) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                                  layer.down_proj)]
@@ -37,7 +40,7 @@ class NativeDecodeProgram:
             norms = (layer.input_norm.weight.data, layer.post_norm.weight.data)
             built.append(native.DecodeLayer(*norms, layer.input_norm.eps, *linears, attn.num_heads,
                                             attn.num_kv_heads, attn.head_dim, attn.scale, attn.k_cache,
-                                            attn.v_cache))
+                                            attn.v_cache, *((scales.k, scales.v) if scales is not None else ())))
         return cls(decoder, built, min(layer.max_rows() for layer in built))
 
     def takes(self, meta) -> bool:

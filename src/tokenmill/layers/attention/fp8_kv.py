@@ -19,7 +19,8 @@ HEADROOM = 4.0
 
 
 class KVScales:
-    """One attention layer's FP8 cache scales: k, v [num_kv_heads] float32, fixed once set."""
+    """One attention layer's FP8 cache scales: k, v [num_kv_heads] float32, fixed once set. Set and calibrated
+    in place: the native decoder layer (platforms/cpu_decode.py) holds these tensors."""
 
     def __init__(self, num_kv_heads: int) -> None:
         self.k = torch.ones(num_kv_heads)
@@ -31,16 +32,16 @@ class KVScales:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not bool((value > 0).all()) or not bool(torch.isfinite(value).all()):
                 raise ValueError(f"checkpoint {name} must be finite and > 0, got {value.tolist()}")
-        self.k = k_scale.float().reshape(-1).expand(self.k.numel()).clone()
-        self.v = v_scale.float().reshape(-1).expand(self.v.numel()).clone()
+        self.k.copy_(k_scale.float().reshape(-1).expand(self.k.numel()))
+        self.v.copy_(v_scale.float().reshape(-1).expand(self.v.numel()))
         self.ready = True
 
     def calibrate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """From the first keys/values written, k/v [T, KV, D]; a no-op once set."""
         if self.ready:
             return
-        self.k = _scale_of(k).to(self.k.device)
-        self.v = _scale_of(v).to(self.v.device)
+        self.k.copy_(_scale_of(k))
+        self.v.copy_(_scale_of(v))
         self.ready = True
 
     def to(self, device) -> "KVScales":
