@@ -53,8 +53,8 @@ NUM_TOKENS = 32
 
 def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
-    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the one-pass
-    prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache), or
+    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the
+    one-pass prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache), or
     "nvfp4-exact" / "mxfp4-exact" (the FP4 formats' float32-activation reference modes; without the suffix
     they run their int8-activation fast mode where the tile kernels exist)."""
     from tokenmill import LLM
@@ -159,8 +159,8 @@ def chunk_of(path: str) -> int | None:
     return PATHS[path]
 
 
-def evaluate(modes: list[str], full: bool = True, text_tokens: int | None = None,
-             text: str = "test", checkpoints: dict[str, str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate(modes: list[str], full: bool = True, text_tokens: int | None = None, text: str = "test",
+             checkpoints: dict[str, str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {path: {ppl, ppl_rise, rise_low, rise_high, kl, teacher_forced}}, plus "prefix"} with "fp32"
     as the reference: its one-pass perplexity and greedy tokens (its chunked pass, shown too, differs only by
     float rounding). full=False leaves out what only the printed table shows (fp32's own paths, each mode's
@@ -198,7 +198,11 @@ def main() -> None:
                     help="NAME=DIR,...: pre-quantized checkpoints of the default model (e.g. written by "
                          "`tokenmill quantize`), measured as modes NAME after --modes")
     args = ap.parse_args()
-    checkpoints = dict(item.split("=", 1) for item in args.checkpoints.split(",") if item)
+    items = [item for item in args.checkpoints.split(",") if item]
+    bad = [item for item in items if "=" not in item or not os.path.isdir(item.split("=", 1)[1])]
+    if bad:
+        ap.error(f"--checkpoints takes NAME=DIR items, DIR a checkpoint directory; got {bad}")
+    checkpoints = dict(item.split("=", 1) for item in items)
     modes = [m for m in args.modes.split(",") if m] + list(checkpoints)
     results = evaluate(modes, text=args.text, checkpoints=checkpoints)
     n, docs = results["fp32"]["num_text_tokens"], results["fp32"]["num_documents"]

@@ -1,7 +1,7 @@
 """Decode steps run one native call per decoder layer (csrc/decode_layer.cpp): the same kernels as the
 per-op path, so the same tokens and (to float rounding) the same log-probabilities. Every step here runs the
-tile kernels (float32 up to 128 rows, int8/int4 at any size) or FP8's grouped GEMM; float32's large-step kernel (oneDNN, what
-UnquantizedMethod.apply runs) is checked at 17 and 40 rows by forcing a smaller limit."""
+tile kernels (float32 up to 128 rows, int8/int4 at any size) or FP8's grouped GEMM; float32's large-step
+kernel (oneDNN, what UnquantizedMethod.apply runs) is checked at 17 and 40 rows by forcing a smaller limit."""
 from __future__ import annotations
 
 import random

@@ -33,7 +33,7 @@ class DecodeLinear {
  private:
   torch::Tensor large(const torch::Tensor& x) const;
   int64_t fp8_kblock() const;      // inputs per FP8 scale (kind "fp8")
-  std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds
+  std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds; "fp8": codes
   torch::Tensor weight_;
   c10::optional<torch::Tensor> scales_, bias_;
   int64_t n_, small_rows_;
@@ -45,7 +45,8 @@ class DecodeLayer {
   DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
               DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache, torch::Tensor v_cache,
-              c10::optional<torch::Tensor> k_scale = c10::nullopt, c10::optional<torch::Tensor> v_scale = c10::nullopt);
+              c10::optional<torch::Tensor> k_scale = c10::nullopt,
+              c10::optional<torch::Tensor> v_scale = c10::nullopt);
   // x [T, hidden]; residual [T, hidden] or None (first layer) -> (mlp output, residual), as
   // LlamaDecoderLayer.forward. The residual is updated in place.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,

@@ -51,10 +51,11 @@ inline __m256 load8(const Fp8* w) {
 // AVX-512 FP8 paths (16 weights a vector): the decode is the bound of an FP8 dot product, and one 16-wide
 // decode costs the ops of one 8-wide.
 //
-// 16 E4M3 codes (zero-extended to 32 bits) -> float32 exactly, as load8(const Fp8*) decodes 8: t = code << 20 puts the 7 magnitude bits at
-// float32's bits 26..20 (exponent bias 127 instead of 7: times 2^-120, undone by the multiply; E4M3's
-// subnormals land on float32 subnormals, which the multiply scales exactly) and the sign at bit 27, moved
-// to bit 31 by a second shift and or-ed in (vpternlogd 0xF8: a | (b & c)).
+// 16 E4M3 codes (zero-extended to 32 bits) -> float32 exactly, as load8(const Fp8*) decodes 8:
+// t = code << 20 puts the 7 magnitude bits at float32's bits 26..20 (exponent bias 127 instead of 7: times
+// 2^-120, undone by the multiply; E4M3's subnormals land on float32 subnormals, which the multiply scales
+// exactly) and the sign at bit 27, moved to bit 31 by a second shift and or-ed in (vpternlogd 0xF8:
+// a | (b & c)).
 inline __m512 e4m3x16(__m512i b) {
   const __m512i t = _mm512_slli_epi32(b, 20);
   const __m512i magnitude = _mm512_and_si512(t, _mm512_set1_epi32(0x07F00000));

@@ -5,8 +5,8 @@ Built once, after quantization and KV cache binding, from the model's DenseDecod
 step runs here when every row is one request's single new token and there are at most `max_rows` rows:
 any number where every linear layer's tiles take every step (int8, int4) or its method names its
 large-step kernel (float32: oneDNN), else the tile kernels' limit. `build` returns None (per-op path
-only) without the tile kernels or for layers they cannot take (e.g. w8a8). A float32 or an FP8 KV cache
-(written and read as layers/attention/fp8_kv.py and the CPU backend do)."""
+only) without the tile kernels, for layers they cannot take (e.g. w8a8), or for a KV cache that is neither
+float32 nor FP8 (an FP8 cache is written and read as layers/attention/fp8_kv.py and the CPU backend do)."""
 from __future__ import annotations
 
 import torch
