@@ -125,3 +125,38 @@ def test_rtn_needs_no_calibration_and_moe_is_refused(tiny_model_factory, tmp_pat
     assert "mixture-of-experts models are not supported yet" in capsys.readouterr().err
     assert main(["quantize", "--model", src, "--out", str(tmp_path / "x"), "--damp", "1.5"]) == 2
     assert "damp must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_sequential_calibration_reads_each_layer_after_the_rounded_ones(tiny_model_factory):
+    """Layer 0 sees the float model's inputs (nothing before it is rounded), so sequential and one-pass GPTQ
+    agree there; layer 1 is calibrated on layer 0's rounded output, as H read from that model gives it
+    (layer by layer on kept inputs: the same arithmetic as the whole model's forward pass)."""
+    import copy
+    from tokenmill.loaders import open_model_source
+    from tokenmill.quant import offline
+    src = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
+    model = offline.float_model(open_model_source(src))
+    sequences = [[(7 * i + j) % 500 + 3 for j in range(40)] for i in range(3)]
+    cfg = offline.QuantizeConfig(gptq=GPTQConfig(block=32))
+    float_h, _ = offline.collect_hessians(model, sequences)
+    partial, tokens = offline.collect_hessians(model, sequences, names=["model.layers.0.mlp.down_proj"])
+    assert tokens == 120 and list(partial) == ["model.layers.0.mlp.down_proj"]
+    assert torch.equal(partial["model.layers.0.mlp.down_proj"], float_h["model.layers.0.mlp.down_proj"])
+
+    rounded_model = copy.deepcopy(model)
+    quantized, _ = offline.quantize_sequentially(rounded_model, sequences, cfg)
+    assert len(quantized) == 14
+    first, second = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"
+    first_float = offline.quantize_linear(offline.target_linears(model)[first].weight.data, float_h[first], cfg)
+    assert torch.equal(quantized[first].codes.view(torch.uint8), first_float.codes.view(torch.uint8))
+
+    layer0_rounded = copy.deepcopy(model)
+    for name, linear in offline.target_linears(layer0_rounded).items():
+        if name.startswith("model.layers.0."):
+            linear.weight.data.copy_(offline.target_linears(rounded_model)[name].weight.data)
+    seen, _ = offline.collect_hessians(layer0_rounded, sequences, names=[second])
+    assert not torch.allclose(seen[second], float_h[second])
+    expect = offline.quantize_linear(offline.target_linears(model)[second].weight.data, seen[second], cfg)
+    assert torch.equal(quantized[second].codes.view(torch.uint8), expect.codes.view(torch.uint8))
+    weight = offline.target_linears(rounded_model)[second].weight.data                 # left on the grid
+    assert torch.equal(weight, offline.round_e4m3(weight, offline.fp8_scales(weight, "channel")[1]))

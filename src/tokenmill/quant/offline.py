@@ -7,8 +7,13 @@ the layout llm-compressor writes (quant/prequantized.py reads it).
    selfgen.py), so no dataset is needed and the text is in the model's own distribution.
 2. Statistics: the float model (Hugging Face's class for the architecture, weights read by tokenmill's
    loaders, GGUF included) reads the calibration sequences; a hook on every nn.Linear but the head
-   accumulates H = X^T X / tokens of its input [K, K] (float64). The model and every layer's H are in memory
-   at once: K^2 x 8 bytes per linear layer.
+   accumulates H = X^T X / tokens of its input [K, K] (float64).
+   Sequential (the default, the paper's order): one decoder layer at a time, in order, each read on the
+   outputs of the layers before it already rounded (their weights replaced by the rounded values), so a
+   layer's rounding also corrects the error its inputs carry. The first layer's inputs (hidden states and
+   the call's other arguments) are kept per sequence [tokens, hidden] float32; each layer runs on them
+   twice (float for its H, rounded for the next layer's inputs): two forward passes' work in all. Only
+   that layer's H are in memory. `sequential=False`: one pass of the float model for every layer's H.
 3. Rounding: scales as RTN would set them (absmax / 448 per tensor, row or 128 x 128 block); then each
    weight rounded to the E4M3 grid either to nearest (`rtn`) or by GPTQ (quant/gptq.py: the layer's
    output error on the calibration inputs kept small).
@@ -42,6 +47,7 @@ class QuantizeConfig:
     num_sequences: int = 64                # calibration sequences the model writes
     max_tokens: int = 384                  # tokens generated per calibration sequence
     seed: int = 0
+    sequential: bool = True                # each decoder layer calibrated on the rounded earlier layers
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -89,10 +95,18 @@ def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
 
 
-@torch.no_grad()
-def collect_hessians(model: nn.Module, sequences: list[list[int]], progress=None) -> tuple[dict, int]:
-    """({linear name: H = X^T X / tokens [K, K] float64}, tokens) over the sequences, one at a time."""
-    linears = target_linears(model)
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers in order (Hugging Face's `model.layers` of a causal LM), or None."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
+
+
+class _StopForward(Exception):
+    """Raised once the first decoder layer's inputs are kept: the rest of the forward pass is not needed."""
+
+
+def _accumulating(linears: dict[str, nn.Linear]):
+    """(H sums {name: [K, K] float64, zero}, hook handles): each linear's inputs x add x^T x to its sum."""
     sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
 
     def hook(name):
@@ -101,11 +115,20 @@ def collect_hessians(model: nn.Module, sequences: list[list[int]], progress=None
             sums[name].addmm_(x.T, x)
         return accumulate
 
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
+    return sums, [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
+
+
+@torch.no_grad()
+def collect_hessians(model: nn.Module, sequences: list[list[int]], progress=None,
+                     names=None) -> tuple[dict, int]:
+    """({linear name: H = X^T X / tokens [K, K] float64}, tokens) over the sequences, one at a time, for
+    the target linears in `names` (default: all)."""
+    linears = {n: m for n, m in target_linears(model).items() if names is None or n in names}
+    sums, handles = _accumulating(linears)
     tokens = 0
     try:
         for ids in sequences:
-            model(torch.tensor([ids]))
+            model(torch.tensor([ids]), use_cache=False)
             tokens += len(ids)
             if progress:
                 progress()
@@ -154,6 +177,79 @@ def quantize_linear(w: torch.Tensor, hessian: torch.Tensor, cfg: QuantizeConfig)
     rounded = rtn if cfg.algorithm == "rtn" else quantize_weight(w, hessian, full, round_e4m3, cfg.gptq)
     codes = (rounded / full).to(torch.float8_e4m3fn)             # exact: rounded is on the grid
     return QuantizedLinear(codes, scale, output_error(w, rounded, hessian), output_error(w, rtn, hessian))
+
+
+@torch.no_grad()
+def quantize_sequentially(model: nn.Module, sequences: list[list[int]], cfg: QuantizeConfig,
+                          progress=None) -> tuple[dict[str, QuantizedLinear], int]:
+    """Every target linear rounded, decoder layer by decoder layer: layer i's H read on the outputs of
+    layers 0..i-1 holding their rounded weights (module docstring, step 2); `progress(i, layers)` after each.
+    The model's target weights end rounded (the codes times their scales). Returns (quantized, tokens)."""
+    linears, layers = target_linears(model), decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"quantize: {type(model).__name__} has no model.layers; use sequential=False")
+    calls = _first_layer_calls(model, layers[0], sequences)
+    tokens = sum(len(ids) for ids in sequences)
+    out = {}
+    for i, layer in enumerate(layers):
+        inside = {id(m) for m in layer.modules()}
+        mine = {n: m for n, m in linears.items() if id(m) in inside}
+        sums, handles = _accumulating(mine)
+        try:
+            for args, kwargs in calls:
+                layer(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        for name, linear in mine.items():
+            out[name] = _round_in_place(linear, sums[name] / tokens, cfg)
+        calls = [_with_hidden(args, kwargs, _hidden(layer(*args, **kwargs))) for args, kwargs in calls]
+        if progress:
+            progress(i + 1, len(layers))
+    rest = [n for n in linears if n not in out]                   # target linears outside the layers
+    if rest:
+        hessians, _ = collect_hessians(model, sequences, names=rest)
+        out.update({n: _round_in_place(linears[n], hessians[n], cfg) for n in rest})
+    return out, tokens
+
+
+def _first_layer_calls(model: nn.Module, first: nn.Module, sequences) -> list[tuple[tuple, dict]]:
+    """Per sequence, the (args, kwargs) the model calls its first decoder layer with (no KV cache)."""
+    calls = []
+
+    def keep(_module, args, kwargs):
+        calls.append((args, kwargs))
+        raise _StopForward
+
+    handle = first.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        for ids in sequences:
+            try:
+                model(torch.tensor([ids]), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return calls
+
+
+def _hidden(output) -> torch.Tensor:
+    """A decoder layer's output hidden states (older transformers return them first in a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """The same call with `hidden` as its hidden states (positional, or the `hidden_states` keyword)."""
+    if args:
+        return (hidden,) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _round_in_place(linear: nn.Linear, hessian: torch.Tensor, cfg: QuantizeConfig) -> QuantizedLinear:
+    """The layer quantized, and its weight replaced by the rounded values the checkpoint will hold."""
+    q = quantize_linear(linear.weight.data, hessian, cfg)
+    linear.weight.data.copy_(q.codes.float() * fp8_scales(linear.weight.data, cfg.strategy)[1])
+    return q
 
 
 def write_checkpoint(out: str, model: nn.Module, source, quantized: dict[str, QuantizedLinear],

@@ -26,6 +26,9 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--damp", type=float, default=g.damp, help="GPTQ damping, a fraction of H's mean diagonal")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=g.act_order,
                    help="GPTQ: the most active input columns first")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=d.sequential,
+                   help="GPTQ: calibrate each decoder layer on the already-rounded layers before it (a forward "
+                        "pass per layer); --no-sequential: one pass of the float model for every layer")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=cmd_quantize)
 
@@ -41,7 +44,7 @@ def cmd_quantize(ns) -> int:
     cfg = offline.QuantizeConfig(strategy=ns.strategy, algorithm=ns.algorithm,
                                  gptq=GPTQConfig(damp=ns.damp, act_order=ns.act_order),
                                  num_sequences=ns.num_calibration_sequences, max_tokens=ns.calibration_max_tokens,
-                                 seed=ns.seed)
+                                 seed=ns.seed, sequential=ns.sequential)
     console, t0 = Console(stderr=True), time.perf_counter()
     source = open_model_source(ns.model)
     offline.check_dense(source.hf_config)
@@ -54,10 +57,15 @@ def cmd_quantize(ns) -> int:
             del llm
             progress.update(task, total=1, completed=1)
         model = offline.float_model(source)
-        if cfg.algorithm == "gptq":
-            task = progress.add_task("reading the calibration texts", total=len(sequences))
-            hessians, tokens = offline.collect_hessians(model, sequences, lambda: progress.advance(task))
-        quantized = quantize_all(model, hessians, cfg, progress)
+        if cfg.algorithm == "gptq" and cfg.sequential:
+            task = progress.add_task("calibrating and rounding layer by layer", total=None)
+            quantized, tokens = offline.quantize_sequentially(
+                model, sequences, cfg, lambda done, total: progress.update(task, completed=done, total=total))
+        else:
+            if cfg.algorithm == "gptq":
+                task = progress.add_task("reading the calibration texts", total=len(sequences))
+                hessians, tokens = offline.collect_hessians(model, sequences, lambda: progress.advance(task))
+            quantized = quantize_all(model, hessians, cfg, progress)
     offline.write_checkpoint(ns.out, model, source, quantized, cfg, tokens)
     done = f"saved {ns.out}: {len(quantized)} layers in FP8 ({cfg.strategy}, {cfg.algorithm})"
     if tokens:
