@@ -20,7 +20,7 @@ Greedy agreement, for 8 fixed prompts x 32 greedy tokens (ignore EOS), fp32's co
   prefix: the quantized model generates freely; tokens equal to fp32's up to the first divergence,
       over all 256 (strict: one early flip discounts the rest of that prompt).
 
-    .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8,fp8,nvfp4,nvfp4-exact,mxfp4,mxfp4-exact]
+    .venv/bin/python benchmarks/quant_quality.py [--modes int8,int4,w8a8,fp8,fp8-exact,nvfp4,nvfp4-exact,mxfp4,mxfp4-exact]
         [--checkpoints fp8-gptq=DIR,...]      # e.g. DIR from `tokenmill quantize --out DIR`
 
 tests/quant/test_quality.py checks, for both paths: perplexity at most 3% above fp32, teacher-forced
@@ -29,6 +29,8 @@ agreement >= 90%.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import math
 import os
 import re
@@ -54,26 +56,41 @@ NUM_TOKENS = 32
 def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
     `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the
-    one-pass prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache), or
-    "nvfp4-exact" / "mxfp4-exact" (the FP4 formats' float32-activation reference modes; without the suffix
-    they run their int8-activation fast mode where the tile kernels exist)."""
+    one-pass prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache).
+    The suffix "-exact" (on "fp8", "nvfp4", "mxfp4" or an FP8 checkpoint's name) turns the format's fast
+    mode off: its float32-activation reference (FAST_MODES); without it the fast mode runs where the
+    native kernels exist (FP4: int8 activations at every step; FP8: bfloat16 GEMMs above 16 rows)."""
     from tokenmill import LLM
-    from tokenmill.quant import fp4
-    if checkpoints and mode in checkpoints:
-        return LLM(checkpoints[mode], enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
-    if mode == "fp8-kv":
-        return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
-    methods = {"nvfp4": fp4.NVFP4Method, "mxfp4": fp4.MXFP4Method}
     base = mode.removesuffix("-exact") if mode else mode
-    exact = base in methods and mode.endswith("-exact")
-    saved = methods[base].int8_activations if base in methods else None
-    if exact:
-        methods[base].int8_activations = False
-    try:
+    exact = mode is not None and mode.endswith("-exact")
+    with fast_mode_off(FAST_MODES["fp8" if checkpoints and base in checkpoints else base] if exact else None):
+        if checkpoints and base in checkpoints:
+            return LLM(checkpoints[base], enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+        if mode == "fp8-kv":
+            return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
         return LLM(quantization=base, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+
+
+# format -> (its method class, the class attribute that turns its fast mode on)
+FAST_MODES = {"nvfp4": ("tokenmill.quant.fp4", "NVFP4Method", "int8_activations"),
+              "mxfp4": ("tokenmill.quant.fp4", "MXFP4Method", "int8_activations"),
+              "fp8": ("tokenmill.quant.fp8", "FP8Method", "bf16_activations")}
+
+
+@contextlib.contextmanager
+def fast_mode_off(where):
+    """Within: the fast mode of `where` (a FAST_MODES value; None: nothing) off for engines built."""
+    if where is None:
+        yield
+        return
+    module, name, attr = where
+    cls = getattr(importlib.import_module(module), name)
+    saved = getattr(cls, attr)
+    setattr(cls, attr, False)
+    try:
+        yield
     finally:
-        if exact:
-            methods[base].int8_activations = saved
+        setattr(cls, attr, saved)
 
 
 @torch.inference_mode()

@@ -89,8 +89,10 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
                 x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
                 expected = linear.tile_fn(x) if rows <= 16 else linear.quant_method.apply(linear, x)
                 torch.testing.assert_close(limited(x), expected, rtol=0, atol=0)
-        elif mode == "fp8":                           # above 40 rows: the weight dequantized, one float32 GEMM
-            assert linear.quant_method.large_kernel(linear)[0] == "fp8" and linear.tile_max_rows == 40
+        elif mode == "fp8":      # above 16 rows the fast mode's bfloat16 GEMM (AVX-512 BF16), else above 40 float32's
+            fast = hasattr(native, "fp8_linear_bf16")
+            assert linear.quant_method.large_kernel(linear)[0] == ("fp8_bf16" if fast else "fp8")
+            assert linear.tile_max_rows == (16 if fast else 40)
             assert getattr(linear, "weight", None) is None
         else:                                         # int8/int4: the tiles are the only copy
             assert linear.quant_method.large_kernel(linear) is None

@@ -2,7 +2,8 @@
 in compressed-tensors (tensor / channel / block scales), ModelOpt and DeepSeek (weight_scale_inv blocks)
 layouts give the logits of the reference dequantized model (transformers on the same dequantized weights)
 within 1e-4 relative and the same greedy tokens, keep the checkpoint's own codes, and keep the layers it
-keeps in float; unsupported schemes are rejected by name."""
+keeps in float; unsupported schemes are rejected by name. These run the exact mode; the fast mode's
+bfloat16 GEMM (steps above tile_max_rows) has its own tests at the end."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,18 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.quant import fp8
 from tokenmill.quant.fp8 import BLOCK, E4M3_MAX
 
 PROMPT = [11, 220, 4890, 17, 9, 300, 5, 5, 1000, 2000, 3000, 4000]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def float32_activations(request, monkeypatch):
+    """The exact mode, but for the tests of the fast mode (named test_the_fast_mode_...)."""
+    if not request.node.name.startswith("test_the_fast_mode"):
+        monkeypatch.setattr(fp8.FP8Method, "bf16_activations", False)
 
 
 def test_the_kernel_decodes_every_e4m3_code_exactly():
@@ -240,7 +249,7 @@ def test_steps_above_the_tile_rows_run_the_dequantized_weight():
     one float32 GEMM; within float32 summation error of the float64 reference, as the kernel path."""
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantize import quantize_model
-    from tokenmill.quant import fp8, tile_kernels
+    from tokenmill.quant import tile_kernels
     if tile_kernels.kernels() is None:
         pytest.skip("needs the native tile kernels")
     layer = Linear(136, 48, bias=True)
@@ -254,3 +263,72 @@ def test_steps_above_the_tile_rows_run_the_dequantized_weight():
         x = torch.randn(rows, 136, generator=torch.Generator().manual_seed(rows))
         ref = x.double() @ native.double().t() + layer.bias.double()
         assert ((layer(x).double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def _fast_layer(k: int, strategy: str, bias: bool = True):
+    """A Linear [48, k] in FP8's fast mode, with the given checkpoint scale strategy (channel or block)."""
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantize import quantize_model
+    from tokenmill.quant import tile_kernels
+    if not hasattr(tile_kernels.kernels() or object(), "fp8_linear_bf16"):
+        pytest.skip("needs an AVX-512 BF16 build of the native kernels")
+    layer = Linear(k, 48, bias=bias)
+    torch.nn.init.normal_(layer.weight, std=0.1, generator=torch.Generator().manual_seed(5))
+    if bias:
+        torch.nn.init.normal_(layer.bias, generator=torch.Generator().manual_seed(6))
+    if strategy == "block":
+        layer.checkpoint_fp8 = [(slice(0, 48), "block", _quantize(layer.weight.data, "block")[1])]
+    quantize_model(layer, "fp8")
+    assert layer.quant_method.bf16_activations and layer.fp8_kblock == (BLOCK if strategy == "block" else k)
+    return layer
+
+
+@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block")])
+def test_the_fast_mode_rounds_activations_and_output_to_bfloat16(k, strategy):
+    """Above tile_max_rows: x and the output (before a per-row scale) rounded to bfloat16, the codes exact
+    (times a block scale, rounded to bfloat16): each output within 2^-8 relative of the float64 product of
+    the bfloat16 operands (plus float32 sums), and within 5e-3 of the exact mode's output in norm."""
+    layer = _fast_layer(k, strategy)
+    codes, scales, kblock = layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock
+    exact_w = fp8.dequantize(codes, scales, kblock).double()
+    per_row = kblock == k
+    w_bf16 = (codes.float() if per_row else exact_w.float()).bfloat16().double()
+    for rows in (layer.tile_max_rows + 1, 100):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+        y = layer(x).double() - layer.bias.double()
+        product = x.bfloat16().double() @ w_bf16.t()
+        if per_row:
+            product = product * scales[:, 0].double()
+        bound = 2.0 ** -8 * product.abs() + 1e-5 * (x.abs().double() @ exact_w.abs().t())
+        assert ((y - product).abs() <= bound).all()
+        exact = x.double() @ exact_w.t()
+        assert 1e-4 < ((y - exact).norm() / exact.norm()).item() < 5e-3          # rounded, not exact, but close
+        small = x[:layer.tile_max_rows]                     # up to tile_max_rows: the exact grouped kernel
+        exact_small = small.double() @ exact_w.t() + layer.bias.double()
+        assert ((layer(small).double() - exact_small).norm() / exact_small.norm()).item() < 1e-6
+
+
+def test_the_fast_mode_is_off_with_bf16_activations_false():
+    layer = _fast_layer(136, "channel", bias=False)
+    exact_method = fp8.FP8Method(bf16_activations=False)
+    assert exact_method.bf16_kernel() is None and layer.quant_method.bf16_kernel() is not None
+    assert exact_method.large_kernel(layer)[0] == "fp8" and layer.quant_method.large_kernel(layer)[0] == "fp8_bf16"
+    x = torch.randn(64, 136, generator=torch.Generator().manual_seed(9))
+    exact = x.double() @ fp8.dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock).double().t()
+    assert ((exact_method.apply(layer, x).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_the_fast_mode_is_chosen_when_the_engine_is_built(monkeypatch, tiny_model_factory):
+    """quant_quality's "fp8-exact" sets the class attribute only while it builds an engine: the layers keep
+    the mode they were built in."""
+    from tokenmill.quant import tile_kernels
+    if not hasattr(tile_kernels.kernels() or object(), "fp8_linear_bf16"):
+        pytest.skip("needs an AVX-512 BF16 build of the native kernels")
+    model_dir = tiny_model_factory("llama")
+    with monkeypatch.context() as m:
+        m.setattr(fp8.FP8Method, "bf16_activations", False)
+        exact = LLM(model_dir, quantization="fp8", kv_cache_memory_bytes=1 << 22)
+    fast = LLM(model_dir, quantization="fp8", kv_cache_memory_bytes=1 << 22)
+    for llm, mode, kind in ((exact, False, "fp8"), (fast, True, "fp8_bf16")):
+        down = llm.engine.core.runner.model.model.layers[0].mlp.down_proj
+        assert down.quant_method.bf16_activations is mode and down.quant_method.large_kernel(down)[0] == kind

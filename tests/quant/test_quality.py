@@ -23,8 +23,10 @@ def load_quality_module():
 @pytest.mark.slow
 def test_quantized_modes_keep_quality():
     # perplexity over the text's first 256 tokens (the benchmark reads all ~700): w8a8's AVX2 kernels are slow
-    results = load_quality_module().evaluate(["int8", "int4", "w8a8"], full=False, text_tokens=256)
-    for mode in ("int8", "int4", "w8a8"):
+    # fp8: its fast mode (bfloat16 GEMMs) on the prefill path, float32 activations on 16-row decode chunks
+    modes = ["int8", "int4", "w8a8", "fp8"]
+    results = load_quality_module().evaluate(modes, full=False, text_tokens=256)
+    for mode in modes:
         for path in ("prefill", "decode"):
             r, name = results[mode][path], f"{mode} ({path} path)"
             assert r["ppl_rise"] <= MAX_PPL_RISE, f"{name}: perplexity {r['ppl']:.3f} is {r['ppl_rise']:+.2%} vs fp32"

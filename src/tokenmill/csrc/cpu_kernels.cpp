@@ -468,6 +468,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_scale") = py::none());
   m.def("fp8_dequantize", &fp8_dequantize, "FP8 codes [N, K] x scales [N, K / kblock] -> float32 [N, K] (CPU)",
         py::arg("codes"), py::arg("scales"), py::arg("kblock"));
+#ifdef TOKENMILL_FP8_BF16   // AVX-512 BF16 builds; Python checks hasattr(module, "fp8_linear_bf16")
+  m.def("fp8_linear_bf16", &fp8_linear_bf16, "x @ (FP8 codes x scales)^T through a bfloat16 GEMM -> float32 (CPU)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("kblock"));
+#endif
 #endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));

@@ -81,8 +81,12 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
     TORCH_CHECK(false, "DecodeLinear: fp8 needs the grouped GEMM (AVX2 and FMA)");
 #endif
   }
-  TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn" || (large_.kind == "fp8" && kind_ == "fp8"),
+  TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn" ||
+                  ((large_.kind == "fp8" || large_.kind == "fp8_bf16") && kind_ == "fp8"),
               "DecodeLinear: unknown large kind ", large_.kind);
+#ifndef TOKENMILL_FP8_BF16
+  TORCH_CHECK(large_.kind != "fp8_bf16", "DecodeLinear: fp8_bf16 needs an AVX-512 BF16 build");
+#endif
 #ifndef TOKENMILL_GEMV_KERNELS
   TORCH_CHECK(false, "DecodeLinear: needs the AVX-512 VNNI tile kernels");
 #endif
@@ -103,6 +107,12 @@ torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
 #ifdef TOKENMILL_MOE_KERNELS
   if (large_.kind == "fp8")                                 // FP8Method.apply above its tile_max_rows
     return at::linear(x, fp8_dequantize(weight_.select(0, 0), scales_->select(0, 0), fp8_kblock()), bias_);
+#endif
+#ifdef TOKENMILL_FP8_BF16
+  if (large_.kind == "fp8_bf16") {                          // the same in FP8's fast mode
+    torch::Tensor y = fp8_linear_bf16(x.contiguous(), weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
+    return bias_.has_value() ? y.add_(*bias_) : y;
+  }
 #endif
   return onednn_linear(x, large_.weight, bias_);
 }

@@ -16,10 +16,10 @@ struct DecodeStep {
 
 // The kernel a linear layer runs for steps of more than `small_rows` rows, as the per-op path's
 // QuantMethod.apply runs it: "onednn" (float32 weight reordered for oneDNN, bias fused), "fp8" (the FP8
-// layer's weight dequantized to float32, then at::linear). int8/int4 layers run their tiles at every step
-// size and need none.
+// layer's weight dequantized to float32, then at::linear), "fp8_bf16" (FP8's fast mode: fp8_linear_bf16).
+// int8/int4 layers run their tiles at every step size and need none.
 struct LargeLinear {
-  std::string kind;                // "" (none: steps above small_rows cannot run natively), "onednn", "fp8"
+  std::string kind;                // "" (none: steps above small_rows cannot run natively), "onednn", "fp8", "fp8_bf16"
   torch::Tensor weight;
 };
 

@@ -459,4 +459,54 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t 
   });
   return out;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+
+// codes [N, K] (K a multiple of 8) -> bfloat16 [N, K]: code x scale (scale per row and kblock inputs, or 1
+// without scales) rounded to nearest even bfloat16; exact without scales (E4M3's 3 mantissa bits and
+// exponent range fit bfloat16).
+torch::Tensor fp8_to_bf16(const torch::Tensor& codes, const float* s, int64_t kblock) {
+  const int64_t N = codes.size(0), K = codes.size(1), KB = (K + kblock - 1) / kblock;
+  auto out = torch::empty({N, K}, codes.options().dtype(torch::kBFloat16));
+  const Fp8* w = reinterpret_cast<const Fp8*>(codes.data_ptr());
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const Fp8* row = w + n * K;
+      uint16_t* dst = y + n * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512 v = s ? _mm512_mul_ps(load16(row + k), _mm512_set1_ps(s[n * KB + k / kblock])) : load16(row + k);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+      if (k < K) {                                         // the last 8 (K is a multiple of 8)
+        const __m512 v = s ? _mm512_mul_ps(load16_tail8(row + k), _mm512_set1_ps(s[n * KB + k / kblock]))
+                           : load16_tail8(row + k);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm256_castsi256_si128((__m256i)_mm512_cvtneps_pbh(v)));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor fp8_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) % 8 == 0,
+              "fp8_linear_bf16: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ", codes.sizes());
+  const int64_t N = codes.size(0), K = codes.size(1);
+  if (kblock <= 0) kblock = K;
+  TORCH_CHECK(kblock == K || kblock % 8 == 0, "fp8_linear_bf16: kblock must be K or a multiple of 8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+                  scales.numel() == N * ((K + kblock - 1) / kblock),
+              "fp8_linear_bf16: scales must be contiguous float32 [N, K / kblock]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "fp8_linear_bf16: x must be [T, ", K, "], got ", x.sizes());
+  const bool per_row = kblock == K;                        // the scale factors out of the dot product
+  const torch::Tensor w = fp8_to_bf16(codes, per_row ? nullptr : scales.data_ptr<float>(), kblock);
+  const torch::Tensor y = at::linear(x.to(torch::kBFloat16), w);           // [T, N] bfloat16, float32 sums
+  return per_row ? at::mul(y, scales.reshape({1, N})) : y.to(torch::kFloat32);   // float32 [T, N]
+}
+#endif
 #endif

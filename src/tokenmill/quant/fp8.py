@@ -4,14 +4,22 @@ float32 scale per output row and block of inputs:
 
     w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel) or 128 (blocks)
 
-Activations stay float32: the exact reference of the format (this CPU has no FP8 arithmetic).
+Activations stay float32 in steps of up to `tile_max_rows` rows (decode): the exact reference of the
+format (this CPU has no FP8 arithmetic).
 
 Scales come from the checkpoint where it is pre-quantized (quant/prequantized.py attaches them to the layer
 as `checkpoint_fp8`: per shard of a fused layer, the strategy and the scale), so the codes are the
 checkpoint's own; otherwise (quantization="fp8" on a float checkpoint) per output channel, amax / 448.
-Steps of more than `tile_max_rows` rows (prefill chunks, large decode batches) dequantize the layer's weight
-natively into a temporary float32 [N, K] (fp8_dequantize: bitwise `dequantize` below) and run one float32
-GEMM. Without the native build, `apply` dequantizes the layer's weight per call in torch (slow, exact)."""
+Steps of more than `tile_max_rows` rows (prefill chunks, large decode batches):
+- the fast mode (`bf16_activations`, where the build has AVX-512 BF16; the default): one bfloat16 GEMM with
+  float32 sums (fp8_linear_bf16: the codes widened to bfloat16 natively, exact; with 128 x 128 block scales
+  each code x scale rounded to bfloat16), the activations and the output rounded to bfloat16 (relative
+  error about 2^-9 each; measured 2-3e-3 of the output's norm), twice the float32 GEMM's rate. This CPU has
+  no integer form of E4M3 (its values span 16 binades), so int4's int8-activation route is closed.
+- the exact mode (`FP8Method(bf16_activations=False)`, or the class attribute for every engine built after):
+  the layer's weight dequantized natively into a temporary float32 [N, K] (fp8_dequantize: bitwise
+  `dequantize` below) and one float32 GEMM.
+Without the native build, `apply` dequantizes the layer's weight per call in torch (slow, exact)."""
 from __future__ import annotations
 
 import torch
@@ -30,11 +38,27 @@ class FP8Method(QuantMethod):
     # Pre-quantized checkpoints keep whatever they keep float.
     quantize_tied_lm_head = True
     lm_head_method = "int8"
-    # Steps of up to this many rows run the grouped GEMM's dot products (each weight decoded in registers,
-    # a pass per 8 rows: memory-bound decode steps); larger ones dequantize the layer's weight to float32
-    # (a temporary [N, K]) and run one float32 GEMM, several times faster per row there. Both compute
-    # x @ (code x scale)^T in float32; the native decoder layer runs the same two kernels.
-    tile_max_rows = 40
+    # Steps of up to tile_max_rows rows run the grouped GEMM's dot products (each weight decoded in
+    # registers, a pass per 8 rows: memory-bound decode steps) in float32; larger ones the fast mode's
+    # bfloat16 GEMM, or in the exact mode the weight dequantized to float32 (a temporary [N, K]) and one
+    # float32 GEMM. The limits are where the larger kernel gets faster per step (default model's shapes,
+    # benchmarks/fp8_kernels.py); the native decoder layer runs the same kernels.
+    EXACT_MAX_ROWS = 40
+    FAST_MAX_ROWS = 16
+    bf16_activations = True          # the fast mode above tile_max_rows, where the build has AVX-512 BF16
+
+    def __init__(self, bf16_activations: bool | None = None) -> None:
+        # pinned per instance: the class attribute read when the engine is built sets the mode it keeps
+        self.bf16_activations = type(self).bf16_activations if bf16_activations is None else bf16_activations
+
+    def bf16_kernel(self):
+        """csrc's fp8_linear_bf16 in the fast mode where the build has it, else None."""
+        native = tile_kernels.kernels() if self.bf16_activations else None
+        return getattr(native, "fp8_linear_bf16", None)
+
+    @property
+    def tile_max_rows(self) -> int:
+        return self.FAST_MAX_ROWS if self.bf16_kernel() is not None else self.EXACT_MAX_ROWS
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
@@ -93,12 +117,18 @@ class FP8Method(QuantMethod):
         return (lambda x: self.apply(layer, x)) if self.tile_weights(layer) is not None else None
 
     def large_kernel(self, layer):
-        """Above tile_max_rows: csrc/decode_layer.cpp's LargeLinear "fp8" (fp8_dequantize, then the float32
-        GEMM), as `apply` runs it."""
-        return None if self.tile_weights(layer) is None else ("fp8", layer.fp8_weight)
+        """Above tile_max_rows: csrc/decode_layer.cpp's LargeLinear "fp8_bf16" (the fast mode's bfloat16
+        GEMM) or "fp8" (fp8_dequantize, then the float32 GEMM), as `apply` runs it."""
+        if self.tile_weights(layer) is None:
+            return None
+        return ("fp8_bf16" if self.bf16_kernel() is not None else "fp8"), layer.fp8_weight
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.tile_max_rows and self.tile_weights(layer) is not None:
+            fast = self.bf16_kernel()
+            if fast is not None:
+                y = fast(x.float().contiguous(), layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
+                return self.add_bias(layer, y)
             w = tile_kernels.kernels().fp8_dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
             return torch.nn.functional.linear(x.float(), w, layer.bias)
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
