@@ -55,8 +55,8 @@ NUM_TOKENS = 32
 
 def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
-    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache; the
-    one-pass prefill path attends to fresh keys, so only the chunked decode path reads the FP8 cache).
+    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache, which
+    both paths read: the native prefill kernel reads a chunk's own new keys and values as cached).
     The suffix "-exact" (on "fp8", "nvfp4", "mxfp4" or an FP8 checkpoint's name) turns the format's fast
     mode off: its float32-activation reference (FAST_MODES); without it the fast mode runs where the
     native kernels exist (FP4: int8 activations at every step; FP8: bfloat16 GEMMs above 16 rows)."""

@@ -1,6 +1,6 @@
 """FP8 (E4M3) KV cache, kv_cache_dtype="fp8" (K/V per kv head, and MLA's latent cache): a quarter of fp32's
-bytes, counted as such; the native decode
-kernel equals the torch path; the engine's logits stay within a stated bound of the fp32 cache's (greedy
+bytes, counted as such; the native decode and prefill
+kernels equal the torch path; the engine's logits stay within a stated bound of the fp32 cache's (greedy
 tokens equal up to near-ties); checkpoint scales are used; bad settings are refused by name."""
 from __future__ import annotations
 
@@ -59,6 +59,31 @@ def test_native_fp8_decode_equals_torch_path():
     native = backend._decode_any(q, k_cache, v_cache, meta, 0.125, scales)
     torch_path = CPUAttention._decode(q, k_cache, v_cache, meta, 0.125, scales)
     assert (native - torch_path).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("chunks", [[(0, 40)], [(0, 33), (64, 31), (5, 97)]])
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 3, 3), (128, 2, 1)])
+def test_native_fp8_prefill_reads_the_codes_in_place(chunks, head_dim, kv_heads, group, monkeypatch):
+    """csrc/prefill_attention.cpp on an FP8 cache: every key and value a chunk reads (its own new ones too,
+    as written) is code x scale; equal to the reference backend over the dequantized cache."""
+    from tokenmill.layers.attention import get_backend
+    from layers.test_attention import prefill_step
+    backend = CPUAttention()
+    if backend.native is None or not backend.native.prefill_attention_supports(head_dim):
+        pytest.skip("the native prefill kernel needs an AVX-512 build and a compiler")
+    q, k, v, kc, vc, meta = prefill_step(chunks, kv_heads, group, head_dim, seed=head_dim + len(chunks))
+    scales = KVScales(kv_heads)
+    scales.calibrate(k, v)
+    k8, v8 = (quantize(c.transpose(0, 1), s).transpose(0, 1).contiguous() for c, s in ((kc, scales.k), (vc, scales.v)))
+    as_written = [dequantize(quantize(x, s).transpose(0, 1), s).transpose(0, 1) for x, s in ((k, scales.k), (v, scales.v))]
+    scale = head_dim ** -0.5
+    ref = get_backend("reference").forward(q, *as_written, dequantize(k8, scales.k), dequantize(v8, scales.v), meta,
+                                           scale)
+    calls, real = [], backend.native.prefill_attention
+    monkeypatch.setattr(backend.native, "prefill_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    out = backend.forward(q, k, v, k8, v8, meta, scale, kv_scales=scales)
+    assert len(calls) == 1 and calls[0]["k_scale"] is scales.k
+    assert (out - ref).abs().max().item() < 1e-4
 
 
 def _run(model_dir, kv_cache_dtype, backend="cpu"):

@@ -431,9 +431,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention over an FP8 (E4M3) KV cache with per-kv-head scales (CPU)");
   m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of prefill chunks from the paged cache, into out's rows (CPU, float32)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"), py::arg("slots"), py::arg("scale"), py::arg("out"),
-        py::arg("sinks") = py::none(), py::arg("window") = 0);
+        "causal attention of prefill chunks from the paged cache (float32, or E4M3 codes with k_scale / v_scale), "
+        "into out's rows (CPU)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"),
+        py::arg("slots"), py::arg("scale"), py::arg("out"), py::arg("sinks") = py::none(), py::arg("window") = 0,
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding the residual in place first (CPU, float32)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   py::class_<DecodeStep>(m, "DecodeStep")

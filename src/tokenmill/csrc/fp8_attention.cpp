@@ -31,9 +31,11 @@ struct E4M3Table {
 };
 const E4M3Table kE4M3;
 
+}  // namespace
+
 // row[0..D) = float32 of codes[0..D): 8 at a time by moving the 7 magnitude bits into float32's exponent and
 // mantissa (times 2^120 rebiases the exponent, exactly, subnormals included) where AVX2 is there.
-inline void decode_row(const uint8_t* codes, int64_t D, float* row) {
+void decode_e4m3_row(const uint8_t* codes, int64_t D, float* row) {
   int64_t d = 0;
 #if defined(__AVX2__)
   for (; d + 8 <= D; d += 8) {
@@ -47,13 +49,15 @@ inline void decode_row(const uint8_t* codes, int64_t D, float* row) {
   for (; d < D; ++d) row[d] = kE4M3.value[codes[d]];
 }
 
+namespace {
+
 // One request's G query heads against one kv head's n context rows.
 //   q [G, D]; scores [G, n] and row [D] scratch; out [G, D]
 void attend_fp8(const float* q, const uint8_t* k_head, const uint8_t* v_head, const int64_t* slots, int64_t n,
                 int64_t G, int64_t D, float score_scale, float v_scale, float* scores, float* row, float* out) {
   std::vector<float> mx(G, -std::numeric_limits<float>::infinity()), inv(G);
   for (int64_t l = 0; l < n; ++l) {
-    decode_row(k_head + slots[l] * D, D, row);
+    decode_e4m3_row(k_head + slots[l] * D, D, row);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float s = 0.f;
@@ -71,7 +75,7 @@ void attend_fp8(const float* q, const uint8_t* k_head, const uint8_t* v_head, co
   }
   std::fill(out, out + G * D, 0.f);
   for (int64_t l = 0; l < n; ++l) {
-    decode_row(v_head + slots[l] * D, D, row);
+    decode_e4m3_row(v_head + slots[l] * D, D, row);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + l] * inv[g];
       float* og = out + g * D;

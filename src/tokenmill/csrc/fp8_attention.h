@@ -7,3 +7,6 @@
 torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                          torch::Tensor slots, torch::Tensor lens, double scale,
                                          torch::Tensor k_scale, torch::Tensor v_scale);
+
+// row[0 .. D) = the float32 values of E4M3 codes[0 .. D) (exact; unscaled).
+void decode_e4m3_row(const uint8_t* codes, int64_t D, float* row);

@@ -9,6 +9,10 @@
 //   out      [T, H, D]  the listed requests' rows are written, other rows are left as they are
 //   sinks    [H] float32 or None: a logit per head that joins every softmax and gives no value (gpt-oss)
 //   window   0, or the keys a query reads back, its own included: positions p - window + 1 .. p
+//   An FP8 cache: k_cache / v_cache uint8 E4M3 codes with k_scale, v_scale [KV] float32 (a cached value is
+//   code x scale). Keys are decoded as they are gathered (the key scale folds into the score scale), values
+//   into a per-item buffer (the value scale into the softmax's normalizer), so the cache is read at a byte
+//   a value and the arithmetic is float32's.
 //
 // Why not torch's scaled_dot_product_attention: for one 128-token prompt of the default model (9 heads of
 // 64) it takes 330 us (about 30 GFLOP/s), 7% of an offline prefill step. Here work items are (request, KV
@@ -26,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "fp8_attention.h"
 #include "simd_math.h"
 
 namespace {
@@ -110,7 +115,9 @@ struct Item {
 };
 
 struct Problem {
-  const float *q, *k, *v;
+  const float *q, *k, *v;          // k, v: a float32 cache (nullptr for an FP8 one)
+  const uint8_t *k8, *v8;          // an FP8 cache's codes (nullptr for a float32 one)
+  const float *k_scale, *v_scale;  // [KV]: an FP8 cache's scales
   float* out;
   const int64_t *seqs, *slots;
   int64_t H, KV, S, L, G;
@@ -120,8 +127,16 @@ struct Problem {
 };
 
 // One item, head dim 16 DV. kt: scratch for the transposed keys, s: [kRows, ...] scratch for scores.
+// Scratch of one thread: transposed keys, score rows, and (FP8 cache) decoded values with their row indices.
+struct Scratch {
+  std::vector<float> kt, s, v, row;
+  std::vector<int64_t> v_rows;
+};
+
 template <int DV>
-void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::vector<float>& s) {
+void run_item(const Problem& pb, const Item& it, Scratch& sc) {
+  std::vector<float>& kt = sc.kt;
+  std::vector<float>& s = sc.s;
   constexpr int64_t D = 16 * DV;
   constexpr int QV = DV >= 8 ? 2 : kRows;       // value accumulators: QV x DV of the 32 registers
   const int64_t t0 = pb.seqs[3 * it.b], n = pb.seqs[3 * it.b + 1], c = pb.seqs[3 * it.b + 2];
@@ -131,13 +146,29 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
   const int64_t k0 = pb.window > 0 ? std::max<int64_t>(0, first + it.i0 - pb.window + 1) : 0;
   const int64_t keys = first + it.i1 - k0, ldk = round_up(keys, kKeyStep);
   const int64_t* slots = pb.slots + it.b * pb.L + k0;
-  const float* k_head = pb.k + it.h * pb.S * D;
-  const float* v_head = pb.v + it.h * pb.S * D;
+  const bool fp8 = pb.k8 != nullptr;
+  const float* v_head = fp8 ? nullptr : pb.v + it.h * pb.S * D;
+  const int64_t* v_slots = slots;
+  float score_scale = pb.scale, value_scale = 1.f;
   kt.assign(D * ldk, 0.f);                      // [ldk / kKeyStep, D, kKeyStep], keys past `keys` zero
+  if (fp8) sc.row.resize(D);
   for (int64_t j = 0; j < keys; ++j) {
-    const float* kr = k_head + slots[j] * D;
+    const float* kr = fp8 ? sc.row.data() : pb.k + (it.h * pb.S + slots[j]) * D;
+    if (fp8) decode_e4m3_row(pb.k8 + (it.h * pb.S + slots[j]) * D, D, sc.row.data());
     float* col = kt.data() + (j / kKeyStep) * D * kKeyStep + j % kKeyStep;
     for (int64_t d = 0; d < D; ++d) col[d * kKeyStep] = kr[d];
+  }
+  if (fp8) {                                    // values decoded once for the G heads; row j = key k0 + j
+    sc.v.resize(keys * D);
+    sc.v_rows.resize(keys);
+    for (int64_t j = 0; j < keys; ++j) {
+      decode_e4m3_row(pb.v8 + (it.h * pb.S + slots[j]) * D, D, sc.v.data() + j * D);
+      sc.v_rows[j] = j;
+    }
+    v_head = sc.v.data();
+    v_slots = sc.v_rows.data();
+    score_scale *= pb.k_scale[it.h];
+    value_scale = pb.v_scale[it.h];
   }
   s.resize(kRows * ldk);
   for (int64_t g = 0; g < pb.G; ++g) {
@@ -154,19 +185,19 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& kt, std::ve
         q[r] = pb.q + (row * pb.H + head) * D;
         o[r] = pb.out + (row * pb.H + head) * D;
       }
-      scores<DV, kRows>(q, kt.data(), nk, pb.scale, s.data(), ldk);
+      scores<DV, kRows>(q, kt.data(), nk, score_scale, s.data(), ldk);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t upto = first + r0 + r + 1;                         // past the row's own position
         const int64_t from = pb.window > 0 ? std::max<int64_t>(0, upto - pb.window) : 0;
-        l[r] = softmax_row(s.data() + r * ldk, from - k0, upto - k0, nk, sink);
+        l[r] = softmax_row(s.data() + r * ldk, from - k0, upto - k0, nk, sink) / value_scale;
       }
       const int64_t used = first + r0 + rows - k0;                       // keys any row of the tile sees
       for (int64_t r = 0; r < rows; r += QV) {
         if (rows - r >= QV) {
-          weighted_values<DV, QV>(s.data() + r * ldk, ldk, used, v_head, slots, l + r, o + r);
+          weighted_values<DV, QV>(s.data() + r * ldk, ldk, used, v_head, v_slots, l + r, o + r);
         } else {
           for (int64_t e = r; e < rows; ++e)
-            weighted_values<DV, 1>(s.data() + e * ldk, ldk, used, v_head, slots, l + e, o + e);
+            weighted_values<DV, 1>(s.data() + e * ldk, ldk, used, v_head, v_slots, l + e, o + e);
         }
       }
     }
@@ -179,10 +210,19 @@ bool prefill_attention_supports(int64_t head_dim) { return head_dim == 64 || hea
 
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor seqs,
                        torch::Tensor slots, double scale, torch::Tensor out, c10::optional<torch::Tensor> sinks,
-                       int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "prefill_attention: float32 only");
+                       int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  const bool fp8 = k_cache.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == torch::kFloat32 || fp8),
+              "prefill_attention: float32 q and out, caches float32 or uint8 (E4M3 codes)");
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "prefill_attention: an FP8 (uint8) cache needs k_scale and v_scale, a float32 one none");
+  if (fp8)
+    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat32 && v_scale->scalar_type() == torch::kFloat32 &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == k_cache.size(0) &&
+                    v_scale->numel() == k_cache.size(0),
+                "prefill_attention: k_scale and v_scale must be float32 [", k_cache.size(0), "] (one per kv head)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
                   seqs.is_contiguous() && slots.is_contiguous(), "prefill_attention: contiguous inputs");
   TORCH_CHECK(seqs.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 && seqs.dim() == 2 &&
@@ -195,8 +235,10 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
                                      sinks->numel() == H),
               "prefill_attention: sinks must be float32 [", H, "] (one per query head)");
-  const Problem pb{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                   seqs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), H, KV, S, slots.size(1), H / KV,
+  const Problem pb{q.data_ptr<float>(), fp8 ? nullptr : k_cache.data_ptr<float>(),
+                   fp8 ? nullptr : v_cache.data_ptr<float>(), fp8 ? k_cache.data_ptr<uint8_t>() : nullptr,
+                   fp8 ? v_cache.data_ptr<uint8_t>() : nullptr, fp8 ? k_scale->data_ptr<float>() : nullptr,
+                   fp8 ? v_scale->data_ptr<float>() : nullptr, out.data_ptr<float>(), seqs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), H, KV, S, slots.size(1), H / KV,
                    static_cast<float>(scale), sinks.has_value() ? sinks->data_ptr<float>() : nullptr, window};
   std::vector<Item> items;
   for (int64_t b = 0; b < seqs.size(0); ++b) {
@@ -226,10 +268,10 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   }
   items.swap(order);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt, s;
+    Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      if (D == 64) run_item<4>(pb, items[i], kt, s);
-      else run_item<8>(pb, items[i], kt, s);
+      if (D == 64) run_item<4>(pb, items[i], scratch);
+      else run_item<8>(pb, items[i], scratch);
     }
   });
 }
@@ -238,7 +280,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 bool prefill_attention_supports(int64_t) { return false; }
 
 void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
-                       torch::Tensor, c10::optional<torch::Tensor>, int64_t) {
+                       torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>,
+                       c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "prefill_attention: needs AVX-512");
 }
 #endif

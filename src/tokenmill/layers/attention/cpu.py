@@ -3,8 +3,10 @@ place from the paged cache (csrc/cpu_kernels.cpp), or, without a compiler, one b
 gather of their context. Prefill chunks: a native causal kernel over the paged cache, every chunk of the
 step in one call (csrc/prefill_attention.cpp, float32, head dim 64 or 128), else torch's
 scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0).
-An FP8 cache (kv_cache_dtype="fp8") is written quantized; decodes read its codes in the native kernel
-(paged_decode_attention_fp8), prefill chunks read their context dequantized (fp8_kv.read_slots)."""
+An FP8 cache (kv_cache_dtype="fp8") is written quantized; the native kernels read its codes in place, every
+key and value of a prefill chunk's context its own new ones included (paged_decode_attention_fp8,
+prefill_attention with the scales); the torch fallback reads the context dequantized (fp8_kv.read_slots)
+and a chunk starting at 0 its fresh float keys."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +39,10 @@ class CPUAttention(AttentionBackend):
         if kv_scales is None and self._native_prefill(q, prefills, meta):
             self.native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots,
                                           scale, out)
+        elif kv_scales is not None and self._native_prefill(q, prefills, meta):     # E4M3 codes read in place
+            self.native.prefill_attention(q.contiguous(), k_cache.view(torch.uint8), v_cache.view(torch.uint8),
+                                          meta.prefill_spans, meta.prefill_slots, scale, out,
+                                          k_scale=kv_scales.k, v_scale=kv_scales.v)
         else:
             for s in prefills:
                 rows = slice(s.query_start, s.query_start + s.query_len)
