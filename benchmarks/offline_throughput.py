@@ -16,6 +16,7 @@ first's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import random
@@ -92,7 +93,12 @@ def median_rate(runs: list[tuple[float, list[list[int]]]]) -> tuple[float, float
 def compare_engines(LLM, engine_kwargs: dict, variants: dict[str, dict], prompts, args) -> None:
     """One engine per variant (label -> extra engine arguments), runs interleaved; wall-clock medians and
     rates against the first variant's."""
-    engines = {label: LLM(**engine_kwargs, **extra) for label, extra in variants.items()}
+    from tokenmill.quant import exact_mode
+    engines = {}
+    for label, extra in variants.items():                      # "fp8-exact": fp8 in its exact mode
+        quant = extra.get("quantization") or ""
+        with exact_mode(quant.removesuffix("-exact")) if quant.endswith("-exact") else contextlib.nullcontext():
+            engines[label] = LLM(**engine_kwargs, **dict(extra, quantization=quant.removesuffix("-exact") or None))
     runs: dict[str, list] = {label: [] for label in variants}
     for llm in engines.values():
         run_tokenmill(llm, prompts[:2], 4)  # warm-up
@@ -121,7 +127,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default=None,
                     help="a weight format, or several comma-separated (int4,nvfp4: one engine each, runs "
-                         "interleaved, each's rate as a ratio to the first; 'fp32' for none)")
+                         "interleaved, each's rate as a ratio to the first; 'fp32' for none; fp8-exact, "
+                         "nvfp4-exact, mxfp4-exact: the format's exact mode)")
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="comma-separated KV cache dtypes (auto,fp8): one engine each, runs interleaved, "
                          "each's rate as a ratio to the first")

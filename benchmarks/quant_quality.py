@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import math
 import os
 import re
@@ -58,39 +57,18 @@ def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache, which
     both paths read: the native prefill kernel reads a chunk's own new keys and values as cached).
     The suffix "-exact" (on "fp8", "nvfp4", "mxfp4" or an FP8 checkpoint's name) turns the format's fast
-    mode off: its float32-activation reference (FAST_MODES); without it the fast mode runs where the
+    mode off: its float32-activation reference (quant.exact_mode); without it the fast mode runs where the
     native kernels exist (FP4: int8 activations at every step; FP8: bfloat16 GEMMs above 16 rows)."""
     from tokenmill import LLM
+    from tokenmill.quant import exact_mode
     base = mode.removesuffix("-exact") if mode else mode
     exact = mode is not None and mode.endswith("-exact")
-    with fast_mode_off(FAST_MODES["fp8" if checkpoints and base in checkpoints else base] if exact else None):
+    with exact_mode("fp8" if checkpoints and base in checkpoints else base) if exact else contextlib.nullcontext():
         if checkpoints and base in checkpoints:
             return LLM(checkpoints[base], enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
         if mode == "fp8-kv":
             return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
         return LLM(quantization=base, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
-
-
-# format -> (its method class, the class attribute that turns its fast mode on)
-FAST_MODES = {"nvfp4": ("tokenmill.quant.fp4", "NVFP4Method", "int8_activations"),
-              "mxfp4": ("tokenmill.quant.fp4", "MXFP4Method", "int8_activations"),
-              "fp8": ("tokenmill.quant.fp8", "FP8Method", "bf16_activations")}
-
-
-@contextlib.contextmanager
-def fast_mode_off(where):
-    """Within: the fast mode of `where` (a FAST_MODES value; None: nothing) off for engines built."""
-    if where is None:
-        yield
-        return
-    module, name, attr = where
-    cls = getattr(importlib.import_module(module), name)
-    saved = getattr(cls, attr)
-    setattr(cls, attr, False)
-    try:
-        yield
-    finally:
-        setattr(cls, attr, saved)
 
 
 @torch.inference_mode()

@@ -318,16 +318,19 @@ def test_the_fast_mode_is_off_with_bf16_activations_false():
     assert ((exact_method.apply(layer, x).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
-def test_the_fast_mode_is_chosen_when_the_engine_is_built(monkeypatch, tiny_model_factory):
-    """quant_quality's "fp8-exact" sets the class attribute only while it builds an engine: the layers keep
-    the mode they were built in."""
-    from tokenmill.quant import tile_kernels
+def test_the_fast_mode_is_chosen_when_the_engine_is_built(tiny_model_factory):
+    """quant.exact_mode (the benchmarks' "fp8-exact") holds only while an engine is built: the layers keep the
+    mode they were built in."""
+    from tokenmill.quant import exact_mode, tile_kernels
     if not hasattr(tile_kernels.kernels() or object(), "fp8_linear_bf16"):
         pytest.skip("needs an AVX-512 BF16 build of the native kernels")
     model_dir = tiny_model_factory("llama")
-    with monkeypatch.context() as m:
-        m.setattr(fp8.FP8Method, "bf16_activations", False)
+    with exact_mode("fp8"):
         exact = LLM(model_dir, quantization="fp8", kv_cache_memory_bytes=1 << 22)
+    assert fp8.FP8Method.bf16_activations
+    with pytest.raises(ValueError, match="'int4' has no fast mode; formats with one: fp8, mxfp4, nvfp4"):
+        with exact_mode("int4"):
+            pass
     fast = LLM(model_dir, quantization="fp8", kv_cache_memory_bytes=1 << 22)
     for llm, mode, kind in ((exact, False, "fp8"), (fast, True, "fp8_bf16")):
         down = llm.engine.core.runner.model.model.layers[0].mlp.down_proj

@@ -8,6 +8,7 @@ package imports nothing from layers/.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from tokenmill.quant.base import QuantMethod
@@ -41,3 +42,27 @@ def get_quant_method(name: str, platform: str = "cpu") -> QuantMethod:
                          f"{', '.join(supported_methods(platform))} (or None for the checkpoint's float weights)")
     module, cls = methods[name].split(":")
     return getattr(importlib.import_module(module), cls)()
+
+
+# Formats with a CPU fast mode -> (method, the class attribute that turns it on; read when an engine is built).
+# Their exact modes compute what the format means in float32 (each method's docstring says how).
+_FAST_MODES = {"fp8": ("tokenmill.quant.fp8:FP8Method", "bf16_activations"),
+               "nvfp4": ("tokenmill.quant.fp4:NVFP4Method", "int8_activations"),
+               "mxfp4": ("tokenmill.quant.fp4:MXFP4Method", "int8_activations")}
+
+
+@contextlib.contextmanager
+def exact_mode(name: str):
+    """Within: engines built run format `name` ("fp8", "nvfp4", "mxfp4") in its exact float32-activation mode
+    (pre-quantized checkpoints of it included). For benchmarks and comparisons."""
+    if name not in _FAST_MODES:
+        raise ValueError(f"exact_mode: {name!r} has no fast mode; formats with one: {', '.join(sorted(_FAST_MODES))}")
+    where, attr = _FAST_MODES[name]
+    module, cls_name = where.split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    saved = getattr(cls, attr)
+    setattr(cls, attr, False)
+    try:
+        yield
+    finally:
+        setattr(cls, attr, saved)
