@@ -45,20 +45,81 @@ def _cache(kv_heads=2, slots=64, dim=64, seed=1):
     return k_cache, v_cache, scales
 
 
-def test_native_fp8_decode_equals_torch_path():
+def _native_backend() -> CPUAttention:
     backend = CPUAttention()
     if backend.native is None:
         pytest.skip("no native build here")
-    k_cache, v_cache, scales = _cache()
-    lens = torch.tensor([64, 9, 1, 33])
+    return backend
+
+
+# head dims 64 / 128: the vectorized kernel shared with the float32 cache (batch 1: context cut into chunks
+# across threads); 32: the portable one. Groups of 1 to 4 query heads per kv head (passes of up to 3).
+@pytest.mark.parametrize("head_dim,group,lens", [(64, 3, [64, 9, 1, 33]), (128, 2, [64, 9, 1, 33]),
+                                                 (64, 4, [57]), (128, 1, [2]), (32, 3, [64, 9, 1, 33])])
+def test_native_fp8_decode_equals_torch_path(head_dim, group, lens):
+    backend = _native_backend()
+    k_cache, v_cache, scales = _cache(dim=head_dim)
+    lens = torch.tensor(lens)
     slots = torch.stack([torch.randperm(64)[:64] for _ in lens])
     mask = torch.where(torch.arange(64).unsqueeze(0) < lens.unsqueeze(1), 0.0, float("-inf")).unsqueeze(1)
-    meta = AttentionMetadata(torch.arange(4), [], decode_rows=torch.arange(4), decode_slots=slots,
-                             decode_mask=mask, decode_lens=lens)
-    q = torch.randn(4, 6, 64)                                                      # 3 query heads per kv head
-    native = backend._decode_any(q, k_cache, v_cache, meta, 0.125, scales)
-    torch_path = CPUAttention._decode(q, k_cache, v_cache, meta, 0.125, scales)
+    rows = torch.arange(len(lens))
+    meta = AttentionMetadata(rows, [], decode_rows=rows, decode_slots=slots, decode_mask=mask, decode_lens=lens)
+    q = torch.randn(len(lens), 2 * group, head_dim)
+    native = backend._decode_any(q, k_cache, v_cache, meta, head_dim ** -0.5, scales)
+    torch_path = CPUAttention._decode(q, k_cache, v_cache, meta, head_dim ** -0.5, scales)
     assert (native - torch_path).abs().max().item() < 1e-5
+
+
+def _every_rounding_case() -> torch.Tensor:
+    """Every finite E4M3 value, every midpoint between neighbours (ties: to even), values past +-448 and
+    below the smallest subnormal, signed zeros."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    midpoints = (values[1:] + values[:-1]) / 2
+    return torch.cat([values, midpoints, torch.tensor([0.0, -0.0, 1e-30, -2.0 ** -12, 449.0, 500.0, -1e9, 3e38])])
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])                 # 24: 16 lanes and a tail of 8
+def test_native_fp8_write_is_bitwise_the_torch_quantizer(head_dim):
+    backend = _native_backend()
+    g = torch.Generator().manual_seed(3)
+    kv_heads, tokens, num_slots = 2, 60, 100
+    cases = _every_rounding_case()
+    for given_scales in (True, False):
+        # k, v as the model makes them: kv heads' slices of one wider row (strided)
+        qkv = torch.randn(tokens, kv_heads, 3 * head_dim, generator=g) \
+            * 10.0 ** torch.randint(-4, 3, (tokens, 1, 1), generator=g)
+        k, v = qkv[..., :head_dim], qkv[..., head_dim:2 * head_dim]
+        if given_scales:                                          # key scale 1: the cases sit on the codes' grid
+            filled = k.reshape(-1).clone()
+            filled[:cases.numel()] = cases
+            k.copy_(filled.view_as(k))
+        slots = torch.randperm(num_slots, generator=g)[:tokens]
+        torch_caches = [torch.zeros(kv_heads, num_slots, head_dim, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        native_caches = [torch.zeros_like(c) for c in torch_caches]
+        scales = KVScales(kv_heads)
+        if given_scales:
+            scales.set(torch.ones(1), torch.tensor([0.37]))
+        write_fp8_cache(k, v, *torch_caches, slots, scales)              # calibrates when not given
+        backend._store(k, v, *native_caches, slots, scales)
+        for ours, reference in zip(native_caches, torch_caches):
+            assert torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
+
+
+def test_native_fp8_write_refuses_bad_arguments():
+    backend = _native_backend()
+    k = torch.randn(4, 2, 64)
+    cache = torch.zeros(2, 8, 64, dtype=torch.float8_e4m3fn)
+    ones = torch.ones(2)
+    write = backend.native.write_kv_cache_fp8
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        write(k, k, cache, cache, torch.tensor([0, 1, 2, 8]), ones, ones)
+    with pytest.raises(RuntimeError, match="float32 \\[T, KV, D\\]"):
+        write(k.double(), k, cache, cache, torch.arange(4), ones, ones)
+    with pytest.raises(RuntimeError, match="one-byte \\[KV, S, D\\]"):
+        write(k, k, cache.float(), cache, torch.arange(4), ones, ones)
+    with pytest.raises(RuntimeError, match="scales must be float32 \\[KV\\]"):
+        write(k, k, cache, cache, torch.arange(4), torch.ones(3), ones)
 
 
 @pytest.mark.parametrize("chunks", [[(0, 40)], [(0, 33), (64, 31), (5, 97)]])

@@ -11,8 +11,8 @@
 //            (gpt-oss): out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m))
 //   window   0, or the keys a query reads back (its own included): the last min(lens[r], window) positions
 // Returns [R, H, D]. Work is split over (request, kv head) pairs, each reading its keys and values once for
-// all G query heads of the group; with AVX-512 and head_dim 64 or 128, vectorized (attend_chunk_avx512),
-// and at batch sizes too small for the threads, over chunks of the context (chunked_decode_attention).
+// all G query heads of the group; with AVX-512 and head_dim 64 or 128, vectorized, and at batch sizes too
+// small for the threads, over chunks of the context (decode_attention.h, shared with the FP8 cache's kernel).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +23,7 @@
 #include "prefill_attention.h"
 #include "moe_kernels.h"
 #include "fp8_attention.h"
+#include "decode_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -36,120 +37,8 @@
 
 namespace {
 
-// First context position a query at position lens - 1 reads with a sliding window (0: none).
-inline int64_t window_start(int64_t len, int64_t window) {
-  return window > 0 && len > window ? len - window : 0;
-}
-
-// A sink logit's term in a softmax denominator whose scores were exponentiated relative to m:
-// exp(sink - m), 0 without a sink (sink = -inf).
-inline float sink_share(float sink, float m) {
-  return sink == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(sink - m);
-}
-
-#if defined(__AVX512F__)
-// Positions prefetched ahead: K/V rows come from DRAM in blocks scattered over the cache. Into L2
-// (prefetcht2), not L1: measured on the project's machine kind, 30 layers x 64 requests at context 192 took
-// 22-25 ms where prefetches into L1 (prefetcht0, 24 ahead) took 30-32 (the L1's few outstanding misses
-// were the limit); distances 8-48 within 10%, and prefetching on into the next work item's first positions
-// changed nothing measurable.
-constexpr int64_t kAhead = 16;
-
-template <int64_t D>
-inline void prefetch_row(const float* row) {
-  for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T2);
-}
-
-// GB query heads (of one KV head) over one chunk of a request's context, head_dim D = 16 * DV: keys, then
-// values, are streamed once for all GB heads (prefetched ahead: a context's blocks need not be adjacent).
-// Writes, per head, the chunk's score maximum m, its sum of exp(score - m) l, and out = sum of
-// exp(score - m) * v (unnormalized), for the combine step. scores: [GB, n] scratch.
-template <int DV, int GB>
-void attend_heads_avx512(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
-                         int64_t n, float scale, float* scores, float* out, float* m_out, float* l_out) {
-  constexpr int64_t D = 16 * DV;
-  __m512 qv[GB][DV];
-  for (int h = 0; h < GB; ++h)
-    for (int i = 0; i < DV; ++i) qv[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * i), _mm512_set1_ps(scale));
-  float mx[GB];
-  for (int h = 0; h < GB; ++h) mx[h] = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < n; ++l) {
-    if (l + kAhead < n) {
-      prefetch_row<D>(k_head + slots[l + kAhead] * D);
-      prefetch_row<D>(v_head + slots[l + kAhead] * D);
-    }
-    const float* k = k_head + slots[l] * D;
-    __m512 kv[DV];
-    for (int i = 0; i < DV; ++i) kv[i] = _mm512_loadu_ps(k + 16 * i);
-    for (int h = 0; h < GB; ++h) {
-      __m512 acc = _mm512_mul_ps(kv[0], qv[h][0]);
-      for (int i = 1; i < DV; ++i) acc = _mm512_fmadd_ps(kv[i], qv[h][i], acc);
-      const float sc = _mm512_reduce_add_ps(acc);
-      scores[h * n + l] = sc;
-      mx[h] = std::max(mx[h], sc);
-    }
-  }
-  for (int h = 0; h < GB; ++h) {
-    float* sh = scores + h * n;
-    const __m512 m = _mm512_set1_ps(mx[h]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l += 16) {
-      const __mmask16 mask = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sh + l), m));
-      _mm512_mask_storeu_ps(sh + l, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-    }
-    m_out[h] = mx[h];
-    l_out[h] = _mm512_reduce_add_ps(sum);
-  }
-  __m512 acc[GB][DV];
-  for (int h = 0; h < GB; ++h)
-    for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < n; ++l) {
-    const float* v = v_head + slots[l] * D;
-    __m512 vv[DV];
-    for (int i = 0; i < DV; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
-    for (int h = 0; h < GB; ++h) {
-      const __m512 p = _mm512_set1_ps(scores[h * n + l]);
-      for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_fmadd_ps(p, vv[i], acc[h][i]);
-    }
-  }
-  for (int h = 0; h < GB; ++h)
-    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + h * D + 16 * i, acc[h][i]);
-}
-
-// All G heads of one KV head over one chunk, in passes of up to 12 accumulator registers' worth of heads.
-template <int DV>
-void attend_chunk_avx512(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
-                         int64_t n, int64_t G, float scale, float* scores, float* out, float* m_out,
-                         float* l_out) {
-  constexpr int64_t D = 16 * DV, most = DV >= 8 ? 1 : 3;
-  for (int64_t h = 0; h < G;) {
-    const int64_t gb = std::min(most, G - h);
-    const float* qh = q + h * D;
-    float* oh = out + h * D;
-    float *mh = m_out + h, *lh = l_out + h;
-    switch (gb) {
-      case 1: attend_heads_avx512<DV, 1>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
-      case 2: attend_heads_avx512<DV, 2>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
-      default: attend_heads_avx512<DV, most>(qh, k_head, v_head, slots, n, scale, scores, oh, mh, lh); break;
-    }
-    h += gb;
-  }
-}
-
-bool attend_chunk(const float* q, const float* k_head, const float* v_head, const int64_t* slots, int64_t n,
-                  int64_t G, int64_t D, float scale, float* scores, float* out, float* m_out, float* l_out) {
-  if (D == 64) {
-    attend_chunk_avx512<4>(q, k_head, v_head, slots, n, G, scale, scores, out, m_out, l_out);
-  } else if (D == 128) {
-    attend_chunk_avx512<8>(q, k_head, v_head, slots, n, G, scale, scores, out, m_out, l_out);
-  } else {
-    return false;
-  }
-  return true;
-}
-#endif
+using decode_attention::sink_share;
+using decode_attention::window_start;
 
 void attend_one(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
                 int64_t n, int64_t G, int64_t D, float scale, const float* sinks, float* scores, float* out) {
@@ -191,58 +80,6 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
 
 }  // namespace
 
-#if defined(__AVX512F__)
-// Work items: (request, KV head, chunk of the context). With enough (request, KV head) pairs for the
-// threads each pair is one chunk; otherwise (batch 1) every context is cut into 2 * threads chunks so all
-// threads read keys and values from memory at once (flash-decoding), and the chunks' partial softmaxes
-// are combined: out = sum_c exp(m_c - M) out_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
-void chunked_decode_attention(const float* qp, const float* kp, const float* vp, const int64_t* sp,
-                              const int64_t* lp, int64_t R, int64_t H, int64_t KV, int64_t S, int64_t L,
-                              int64_t D, float sc, const float* sinks, int64_t window, float* op) {
-  const int64_t G = H / KV, threads = at::get_num_threads();
-  const int64_t C = R * KV >= 2 * threads ? 1 : 2 * threads;
-  std::vector<float> part_out(C == 1 ? 0 : R * KV * C * G * D), part_m(R * KV * C * G), part_l(R * KV * C * G);
-  at::parallel_for(0, R * KV * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(3 * L);                       // up to 3 heads per pass
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t pair = idx / C, c = idx % C, r = pair / KV, h = pair % KV;
-      const int64_t lo = window_start(lp[r], window), span = lp[r] - lo;
-      const int64_t first = lo + span * c / C, last = lo + span * (c + 1) / C;
-      float* out = C == 1 ? op + (r * H + h * G) * D : part_out.data() + idx * G * D;
-      attend_chunk(qp + (r * H + h * G) * D, kp + h * S * D, vp + h * S * D, sp + r * L + first, last - first,
-                   G, D, sc, scores.data(), out, part_m.data() + idx * G, part_l.data() + idx * G);
-    }
-  });
-  at::parallel_for(0, R * KV, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t r = pair / KV, h = pair % KV;
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (r * H + h * G + g) * D;
-        const float sink = sinks == nullptr ? -std::numeric_limits<float>::infinity() : sinks[h * G + g];
-        if (C == 1) {
-          const float inv = 1.f / (part_l[pair * G + g] + sink_share(sink, part_m[pair * G + g]));
-          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-          continue;
-        }
-        float M = -std::numeric_limits<float>::infinity(), total = 0.f;
-        for (int64_t c = 0; c < C; ++c) M = std::max(M, part_m[(pair * C + c) * G + g]);
-        std::fill(o, o + D, 0.f);
-        for (int64_t c = 0; c < C; ++c) {
-          const int64_t i = (pair * C + c) * G + g;
-          if (part_l[i] == 0.f) continue;                       // empty chunk (context shorter than C)
-          const float w = std::exp(part_m[i] - M);
-          total += w * part_l[i];
-          const float* oc = part_out.data() + i * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * oc[d];
-        }
-        const float inv = 1.f / (total + sink_share(sink, M));
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
-}
-#endif
-
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slots, torch::Tensor lens, double scale,
                                      c10::optional<torch::Tensor> sinks, int64_t window) {
@@ -271,8 +108,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 #if defined(__AVX512F__)
-  if (D == 64 || D == 128) {
-    chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, sp_sinks, window, op);
+  if (decode_attention::supports(D)) {
+    decode_attention::chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, nullptr, nullptr, sp_sinks,
+                                               window, op);
     return out;
   }
 #endif
@@ -427,6 +265,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention (CPU, float32), optionally with a sink logit per head and a sliding window",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
         py::arg("sinks") = py::none(), py::arg("window") = 0);
+  m.def("write_kv_cache_fp8", &write_kv_cache_fp8,
+        "write new keys/values into an FP8 (E4M3) paged cache, scaled per kv head (CPU, float32 in)",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k_scale"),
+        py::arg("v_scale"));
   m.def("paged_decode_attention_fp8", &paged_decode_attention_fp8,
         "paged decode attention over an FP8 (E4M3) KV cache with per-kv-head scales (CPU)");
   m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");

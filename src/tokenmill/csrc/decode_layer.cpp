@@ -20,35 +20,10 @@
 #include "gemv_kernels.h"
 #include "moe_kernels.h"
 
-#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 
 namespace {
-
-// k, v [T, KV, D] float32 -> E4M3 codes at their slots of the float8 caches [KV, S, D]: x / scale[h] in
-// float32, clamped to +-448, rounded as torch's float8_e4m3fn conversion rounds (c10::Float8_e4m3fn) --
-// bitwise layers/attention/fp8_kv.py's quantize.
-void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-                        const torch::Tensor& slot_mapping, const torch::Tensor& k_scale,
-                        const torch::Tensor& v_scale) {
-  const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const auto write = [&](const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scale) {
-    const torch::Tensor xc = x.contiguous();
-    const float* src = xc.data_ptr<float>();
-    const float* s = scale.data_ptr<float>();
-    uint8_t* dst = reinterpret_cast<uint8_t*>(cache.data_ptr());
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t h = 0; h < KV; h++)
-        for (int64_t d = 0; d < D; d++) {
-          const float q = std::min(448.0f, std::max(-448.0f, src[(t * KV + h) * D + d] / s[h]));
-          dst[(h * S + slots[t]) * D + d] = c10::Float8_e4m3fn(q).x;
-        }
-  };
-  write(k, k_cache, k_scale);
-  write(v, v_cache, v_scale);
-}
 
 // oneDNN's linear over a reordered weight, the op UnquantizedMethod.apply calls from Python
 // (mkldnn::_linear_pointwise, registered by PyTorch: called through the dispatcher, boxed).

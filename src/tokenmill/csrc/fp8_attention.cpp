@@ -1,11 +1,15 @@
-// Paged decode attention reading an FP8 (E4M3) KV cache in place: each key / value row (D bytes) is decoded
-// to float32 in a small buffer as it is reached, so the cache is read at one byte a value. Work is split
-// over (request, kv head) pairs, each reading its rows once for all G query heads of its group. The key
-// scale folds into the softmax scale; the value scale multiplies each head's output once.
+// Paged decode attention reading an FP8 (E4M3) KV cache in place, so the cache is read at one byte a value:
+// with AVX-512 and head dim 64 or 128, the float32 cache's vectorized kernel (decode_attention.h) with the
+// codes decoded in registers as each row is loaded; otherwise each key / value row is decoded to float32 in
+// a small buffer as it is reached, work split over (request, kv head) pairs. Either way the key scale folds
+// into the softmax scale and the value scale multiplies each head's output once.
 #include "fp8_attention.h"
+#include "decode_attention.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -113,6 +117,12 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache,
   const float* vs = v_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  if (decode_attention::supports(D)) {
+    decode_attention::chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, ks, vs, nullptr, 0, op);
+    return out;
+  }
+#endif
   at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L), row(D);
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -122,4 +132,82 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache,
     }
   });
   return out;
+}
+
+namespace {
+
+// One value's code: clamp(x / scale, +-448) as c10::Float8_e4m3fn rounds it (a NaN x clamps to -448, as
+// std::max(-448, NaN) gives).
+inline uint8_t encode_e4m3(float x, float scale) {
+  return c10::Float8_e4m3fn(std::min(448.0f, std::max(-448.0f, x / scale))).x;
+}
+
+#if defined(__AVX512F__)
+// 16 values' codes, bitwise encode_e4m3's: c10's rounding (fp8e4m3fn_from_fp32_value) on 16 lanes. Clamped to
+// +-448, no input reaches its overflow and NaN branches; magnitudes below 2^-6 (E4M3's subnormals) round by
+// one float32 addition of 2^(141 - 127), the rest by adding the rebiased exponent and half an E4M3 unit in the
+// last place (ties to even) and taking bits 20..27.
+inline __m128i encode16_e4m3(const float* x, __m512 scale) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x), scale),
+                                                     _mm512_set1_ps(-448.f)), _mm512_set1_ps(448.f));
+  const __m512i bits = _mm512_castps_si512(clamped);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i magnitude = _mm512_xor_si512(bits, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, 20), _mm512_set1_epi32(1));
+  const __m512i rebiased = _mm512_add_epi32(magnitude, _mm512_set1_epi32(static_cast<int>((uint32_t(7 - 127) << 23) + 0x7FFFFu)));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(rebiased, odd), 20);
+  const __m512i denorm = _mm512_set1_epi32(141 << 23);
+  const __m512i subnormal = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(magnitude), _mm512_castsi512_ps(denorm))), denorm);
+  const __mmask16 small = _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32(121 << 23));
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(small, normal, subnormal), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(code);                        // the low byte of each lane
+}
+#endif
+
+// D values of one row -> D codes.
+inline void encode_row(const float* x, int64_t D, float scale, uint8_t* dst) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; d + 16 <= D; d += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), encode16_e4m3(x + d, s));
+#endif
+  for (; d < D; ++d) dst[d] = encode_e4m3(x[d], scale);
+}
+
+void check_fp8_write_args(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scale,
+                          const torch::Tensor& slots) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+              "write_kv_cache_fp8: keys and values must be float32 [T, KV, D] with D contiguous");
+  TORCH_CHECK(cache.element_size() == 1 && cache.dim() == 3 && cache.is_contiguous() &&
+                  cache.size(0) == x.size(1) && cache.size(2) == x.size(2),
+              "write_kv_cache_fp8: caches must be contiguous one-byte [KV, S, D] matching the keys");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == x.size(1),
+              "write_kv_cache_fp8: scales must be float32 [KV]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == x.size(0),
+              "write_kv_cache_fp8: slots must be int64 [T]");
+}
+
+}  // namespace
+
+void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& k_scale,
+                        const torch::Tensor& v_scale) {
+  check_fp8_write_args(k, k_cache, k_scale, slot_mapping);
+  check_fp8_write_args(v, v_cache, v_scale, slot_mapping);
+  const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "write_kv_cache_fp8: slot out of range");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *ks = k_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
+  uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < KV; ++h) {
+        encode_row(kp + t * k0 + h * k1, D, ks[h], kc + (h * S + slots[t]) * D);
+        encode_row(vp + t * v0 + h * v1, D, vs[h], vc + (h * S + slots[t]) * D);
+      }
+  });
 }

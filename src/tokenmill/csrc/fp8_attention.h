@@ -10,3 +10,9 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache,
 
 // row[0 .. D) = the float32 values of E4M3 codes[0 .. D) (exact; unscaled).
 void decode_e4m3_row(const uint8_t* codes, int64_t D, float* row);
+
+// k, v [T, KV, D] float32 (last dim contiguous) -> E4M3 codes at their slots of the caches [KV, S, D] (uint8 or
+// float8_e4m3fn, contiguous): x / scale[h] in float32, clamped to +-448, rounded to nearest even as torch's
+// float8_e4m3fn conversion rounds -- bitwise layers/attention/fp8_kv.py's quantize. k_scale, v_scale [KV].
+void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& k_scale, const torch::Tensor& v_scale);

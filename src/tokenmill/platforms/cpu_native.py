@@ -24,7 +24,8 @@ SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernel
                                                      "moe_kernels.cpp", "fp8_attention.cpp")]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h",
                                                      "greedy_head.h", "tile_loop.h", "prefill_attention.h",
-                                                     "simd_math.h", "moe_kernels.h")]
+                                                     "simd_math.h", "moe_kernels.h", "fp8_attention.h",
+                                                     "decode_attention.h")]
 
 
 def _cpu_tag() -> str:

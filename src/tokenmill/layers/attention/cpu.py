@@ -3,7 +3,8 @@ place from the paged cache (csrc/cpu_kernels.cpp), or, without a compiler, one b
 gather of their context. Prefill chunks: a native causal kernel over the paged cache, every chunk of the
 step in one call (csrc/prefill_attention.cpp, float32, head dim 64 or 128), else torch's
 scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0).
-An FP8 cache (kv_cache_dtype="fp8") is written quantized; the native kernels read its codes in place, every
+An FP8 cache (kv_cache_dtype="fp8") is written quantized (natively: write_kv_cache_fp8); the native kernels
+read its codes in place (the decode kernel is the float32 one with codes decoded as rows load), every
 key and value of a prefill chunk's context its own new ones included (paged_decode_attention_fp8,
 prefill_attention with the scales); the torch fallback reads the context dequantized (fp8_kv.read_slots)
 and a chunk starting at 0 its fresh float keys."""
@@ -24,10 +25,7 @@ class CPUAttention(AttentionBackend):
         self.native = cpu_native.load()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
-        if self.native is not None and k.dtype == torch.float32 and kv_scales is None:
-            self.native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         num_tokens, num_heads, head_dim = q.shape
         if meta.decode_rows is not None and len(meta.seqs) == meta.decode_rows.numel():
             out = self._decode_any(q, k_cache, v_cache, meta, scale, kv_scales)
@@ -71,6 +69,17 @@ class CPUAttention(AttentionBackend):
             self.native.prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_slots,
                                           scale, out, sinks=sinks, window=window)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _store(self, k, v, k_cache, v_cache, slot_mapping, kv_scales) -> None:
+        """The new keys and values into the cache: natively for float32 ones (an FP8 cache's codes bitwise as
+        fp8_kv.quantize rounds them, after the layer's scales are calibrated), else AttentionBackend.store."""
+        if self.native is None or k.dtype != torch.float32:
+            self.store(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        elif kv_scales is None:
+            self.native.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            kv_scales.calibrate(k, v)
+            self.native.write_kv_cache_fp8(k, v, k_cache, v_cache, slot_mapping, kv_scales.k, kv_scales.v)
 
     def _native_prefill(self, q, prefills, meta: AttentionMetadata) -> bool:
         """Whether the native kernel takes this step's prefill chunks: float32 on an AVX-512 build with a head
