@@ -40,6 +40,18 @@ def test_nvfp4_kernel_is_the_dequantized_weight_on_int8_activations(n, k, m):
     assert y.shape == (m, n) and rel_err(y, ref) < 1e-5
 
 
+def test_nvfp4_kernel_reads_strided_rows_as_contiguous_ones():
+    """Rows of x a slice of wider rows (as a fused projection's output is): the kernel regroups them per tile
+    of 6 rows, whatever their stride; 13 rows are two full tiles and one of a single row."""
+    packed, scale, row_scale, _ = _random_nvfp4(48, 96, 7)
+    tiles, tile_scale = fp4.pack_nvfp4_tiles(packed, scale, row_scale)
+    wide = torch.randn(13, 160, generator=torch.Generator().manual_seed(8))
+    strided = wide[:, 32:128]
+    assert strided.stride(0) == 160
+    assert torch.equal(native.gemv_nvfp4(strided, tiles, tile_scale, 48),
+                       native.gemv_nvfp4(strided.contiguous(), tiles, tile_scale, 48))
+
+
 def test_every_code_and_scale_byte_decodes_exactly():
     """One input at a time (x a one-hot row: quantized to 127 x (1 / 127), 1 to float32 rounding) reads one
     weight back."""

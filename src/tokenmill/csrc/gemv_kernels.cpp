@@ -36,7 +36,8 @@
 // +12 is taken back with the activations' integer sum over the block (QuantizedRows::hoffset). An E4M3 byte
 // of a positive scale becomes float16 bits exactly by one shift (b << 7 is the value times 2^-8, subnormals
 // included); row_scale carries the tensor scale times 2^8 / 2 (the factor 2 above). Six activation rows a
-// pass over the weights (four for q8 / q4): the code shuffles and scale conversions are shared by more rows.
+// pass over the weights (four for q8 / q4): the code shuffles and scale conversions are shared by more rows;
+// those rows' quantized activations are read regrouped per tile of six (TiledRows), one pointer for all.
 #include "gemv_kernels.h"
 
 #include <cmath>
@@ -96,6 +97,34 @@ struct QuantizedRows {
     }
   }
 };
+
+// QuantizedRows with nvfp4's half-group sums, regrouped in tiles of T = min(R, M) rows so that a pass over
+// up to R rows walks one pointer per array (the row-major layout needs one per row and array: at R = 6, more
+// than the general registers hold, and the spills and reloads cost the kernel a quarter of its time):
+//   xt [ceil(M / T), G, T, 32] int8;  st [ceil(M / T), G, T] float32 (s);  ht [ceil(M / T), G, T, 2] int32
+//   (hoffset); rows past M zero.
+template <int R>
+struct TiledRows : QuantizedRows {
+  int64_t T;                  // rows a tile holds: R, or M when fewer
+  std::vector<int8_t> xt;
+  std::vector<float> st;
+  std::vector<int32_t> ht;
+
+  TiledRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
+      : QuantizedRows(x, ldx, M_, K_, true), T(std::min<int64_t>(R, M_)), xt((M_ + T - 1) / T * T * K_),
+        st((M_ + T - 1) / T * T * G), ht(2 * st.size()) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = ((m / T) * G + g) * T + m % T;
+        std::memcpy(xt.data() + 32 * i, xi.data() + m * K + 32 * g, 32);
+        st[i] = s[m * G + g];
+        ht[2 * i] = hoffset[2 * (m * G + g)];
+        ht[2 * i + 1] = hoffset[2 * (m * G + g) + 1];
+      }
+  }
+};
+
+constexpr int kNVFP4Rows = 6;     // activation rows per pass over nvfp4 tiles (registers: 2 x 6 dots + 6 sums)
 
 // q8: y[m0 + m, 16 rb .. 16 rb + 16). Weights as unsigned (q + 128, flipping the sign bit) times int8
 // activations; the +128 is taken back once per row of x (QuantizedRows::shift).
@@ -191,29 +220,31 @@ inline __m512i e2m1_bytes(const __m512i& lut, const __m512i& w) {
 // nvfp4: y[m0 + m, 16 rb .. 16 rb + 16) for MB rows of x; each group's two blocks of 16 are summed apart
 // (chunks 0-1 hold inputs 0-15, chunks 2-3 inputs 16-31) and scaled by their own E4M3 scales.
 template <int MB>
-void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, const float* row_scale, float* y,
-                     int64_t ldy, int64_t rb, int64_t N) {
-  const int64_t G = a.G;
+void nvfp4_row_block(const TiledRows<kNVFP4Rows>& a, int64_t m0, const uint8_t* tiles, const float* row_scale,
+                     float* y, int64_t ldy, int64_t rb, int64_t N) {
+  const int64_t G = a.G, T = a.T, first = (m0 / T) * G * T;   // m0: a multiple of T (for_tiles<R>, T < R: m0 = 0)
   // 2 x E2M1 + 12 for codes 0..15 (bit 3 the sign), repeated: every 16 bytes of the register
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                            12, 11, 10, 9, 8, 6, 4, 0));
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* tile = tiles + rb * G * 288;
-  for (int64_t g = 0; g < G; ++g, tile += 288) {
+  const int8_t* xg = a.xt.data() + 32 * first;           // this tile of rows' group g: xg [T, 32]
+  const float* sg = a.st.data() + first;                  // sg [T]
+  const int32_t* hg = a.ht.data() + 2 * first;            // hg [T, 2]
+  for (int64_t g = 0; g < G; ++g, tile += 288, xg += 32 * T, sg += T, hg += 2 * T) {
     for (int p = 0; p < 288; p += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 288 + p), _MM_HINT_T0);
     // each block's dot product starts at -12 x its activations' sum: it ends at sum (2 v) xi, exactly
     __m512i dot[2][MB];
     for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MB; ++m) dot[h][m] = _mm512_set1_epi32(a.hoffset[2 * ((m0 + m) * G + g) + h]);
+      for (int m = 0; m < MB; ++m) dot[h][m] = _mm512_set1_epi32(hg[2 * m + h]);
     for (int c = 0; c < 4; ++c) {
       const __m512i w = _mm512_loadu_si512(tile + 64 * c);
       const __m512i lo = e2m1_bytes(lut, w), hi = e2m1_bytes(lut, _mm512_srli_epi16(w, 4));
       for (int m = 0; m < MB; ++m) {
-        const int8_t* x8 = a.xi.data() + (m0 + m) * a.K + 32 * g + 8 * c;
         int32_t x_lo, x_hi;
-        std::memcpy(&x_lo, x8, 4);
-        std::memcpy(&x_hi, x8 + 4, 4);
+        std::memcpy(&x_lo, xg + 32 * m + 8 * c, 4);
+        std::memcpy(&x_hi, xg + 32 * m + 8 * c + 4, 4);
         dot[c / 2][m] = _mm512_dpbusd_epi32(dot[c / 2][m], lo, _mm512_set1_epi32(x_lo));
         dot[c / 2][m] = _mm512_dpbusd_epi32(dot[c / 2][m], hi, _mm512_set1_epi32(x_hi));
       }
@@ -223,7 +254,7 @@ void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, c
     for (int m = 0; m < MB; ++m) {        // (sc_a dot_a + sc_b dot_b) s: 2 conversions, 1 mul, 2 fma a row
       const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1][m]), sc[1],
                                           _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0][m]), sc[0]));
-      acc[m] = _mm512_fmadd_ps(both, _mm512_set1_ps(a.s[(m0 + m) * G + g]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(both, _mm512_set1_ps(sg[m]), acc[m]);
     }
   }
   const __m512 rs = _mm512_loadu_ps(row_scale + 16 * rb);
@@ -299,11 +330,9 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
 
 namespace {
 
-constexpr int kNVFP4Rows = 6;     // activation rows per pass over nvfp4 tiles (registers: 2 x 6 dots + 6 sums)
-
 // The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
 // row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
-template <int TileRows, bool HalfSums = false, class RowBlock>
+template <int TileRows, class Rows = QuantizedRows, class RowBlock>
 torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
                         const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N,
                         const RowBlock& row_block) {
@@ -315,7 +344,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
   TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
                                    scale->numel() == 16 * blocks),
               name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
-  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K, HalfSums);
+  const Rows a(x.data_ptr<float>(), x.stride(0), M, K);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
@@ -348,8 +377,8 @@ torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
 torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const auto* rp = static_cast<const float*>(row_scale.data_ptr());
-  return int_tiles<kNVFP4Rows, true>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
-                   [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
+  return int_tiles<kNVFP4Rows, TiledRows<kNVFP4Rows>>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+                   [&](auto rows, const TiledRows<kNVFP4Rows>& a, int64_t m0, int64_t rb, float* y) {
                      nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
                    });
 }
