@@ -36,8 +36,8 @@
 // +12 is taken back with the activations' integer sum over the block (QuantizedRows::hoffset). An E4M3 byte
 // of a positive scale becomes float16 bits exactly by one shift (b << 7 is the value times 2^-8, subnormals
 // included); row_scale carries the tensor scale times 2^8 / 2 (the factor 2 above). Six activation rows a
-// pass over the weights (four for q8 / q4): the code shuffles and scale conversions are shared by more rows;
-// those rows' quantized activations are read regrouped per tile of six (TiledRows), one pointer for all.
+// pass over the weights (four for q8 / q4): the code shuffles and scale conversions are shared by more rows.
+// Every kernel reads its quantized activations regrouped per tile of its rows (QuantizedRows).
 #include "gemv_kernels.h"
 
 #include <cmath>
@@ -54,22 +54,27 @@ using tile_loop::for_tiles;
 using tile_loop::parallel_over_rows;
 using tile_loop::tail_mask;
 
-// x [M, K] quantized per group of 32 (K a multiple of 32): x[m, k] ~= s[m, g] * xi[m, k].
+// x [M, K] quantized per group of 32 (K a multiple of 32): x[m, k] ~= s[m, g] * xi[m, k]. Kept regrouped in
+// tiles of T = min(R, M) rows (R: the rows a kernel's pass takes): row m's group g is entry
+// i = ((m / T) G + g) T + m % T, so a pass over one tile's rows walks a single pointer per array. (Row-major
+// arrays need a pointer per row and array, more than the general registers hold at 4-6 rows: measured, the
+// spills cost the nvfp4 kernel a quarter of its time at 512 rows.) Entries of rows past M are zero.
 struct QuantizedRows {
-  int64_t M, K, G;            // rows, inputs, groups of 32
-  std::vector<int8_t> xi;     // [M, K]
-  std::vector<float> s;       // [M, G]
-  std::vector<float> xsum;    // [M, G] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
-  std::vector<float> shift;   // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
-  std::vector<int32_t> hoffset;  // [M, 2 G] -12 x the sum of xi over each half group of 16 (nvfp4's blocks;
-                                 // filled only when asked for: int8 / int4 calls skip the extra sums)
+  int64_t M, K, G, T;            // rows, inputs, groups of 32, rows a tile
+  std::vector<int8_t> xi;        // [ceil(M / T), G, T, 32]
+  std::vector<float> s;          // [ceil(M / T), G, T]
+  std::vector<float> xsum;       // [ceil(M / T), G, T] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
+  std::vector<float> shift;      // [M] 128 * sum_g s[g] * sum_{k in g} xi[k] (q8's +128 weight offset)
+  std::vector<int32_t> hoffset;  // [ceil(M / T), G, T, 2] -12 x the sum of xi over each half group of 16
+                                 // (nvfp4's blocks; filled only when asked for: int8 / int4 skip the extra sums)
 
-  QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_, bool half_sums = false)
-      : M(M_), K(K_), G(K_ / 32), xi(M_ * K_), s(M_ * G), xsum(M_ * G), shift(M_),
-        hoffset(half_sums ? 2 * M_ * G : 0) {
+  QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_, int64_t R, bool half_sums)
+      : M(M_), K(K_), G(K_ / 32), T(std::min(R, M_)), xi((M_ + T - 1) / T * T * K_), s(xi.size() / 32),
+        xsum(s.size()), shift(M_), hoffset(half_sums ? 2 * s.size() : 0) {
     for (int64_t m = 0; m < M; ++m) {
       double sh = 0.0;
       for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = ((m / T) * G + g) * T + m % T;
         const float* xg = x + m * ldx + 32 * g;
         const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -77,51 +82,28 @@ struct QuantizedRows {
         const __m512 inv = _mm512_set1_ps(1.f / scale);
         // round to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, saturated anyway
         const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        int8_t* out = xi.data() + m * K + 32 * g;
+        int8_t* out = xi.data() + 32 * i;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(ia));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(ib));
-        s[m * G + g] = scale;
+        s[i] = scale;
         int isum;
         if (half_sums) {
           const int isum_a = _mm512_reduce_add_epi32(ia), isum_b = _mm512_reduce_add_epi32(ib);
           isum = isum_a + isum_b;
-          hoffset[2 * (m * G + g)] = -12 * isum_a;
-          hoffset[2 * (m * G + g) + 1] = -12 * isum_b;
+          hoffset[2 * i] = -12 * isum_a;
+          hoffset[2 * i + 1] = -12 * isum_b;
         } else {
           isum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
         }
-        xsum[m * G + g] = scale * static_cast<float>(isum);
+        xsum[i] = scale * static_cast<float>(isum);
         sh += 128.0 * scale * isum;
       }
       shift[m] = static_cast<float>(sh);
     }
   }
-};
 
-// QuantizedRows with nvfp4's half-group sums, regrouped in tiles of T = min(R, M) rows so that a pass over
-// up to R rows walks one pointer per array (the row-major layout needs one per row and array: at R = 6, more
-// than the general registers hold, and the spills and reloads cost the kernel a quarter of its time):
-//   xt [ceil(M / T), G, T, 32] int8;  st [ceil(M / T), G, T] float32 (s);  ht [ceil(M / T), G, T, 2] int32
-//   (hoffset); rows past M zero.
-template <int R>
-struct TiledRows : QuantizedRows {
-  int64_t T;                  // rows a tile holds: R, or M when fewer
-  std::vector<int8_t> xt;
-  std::vector<float> st;
-  std::vector<int32_t> ht;
-
-  TiledRows(const float* x, int64_t ldx, int64_t M_, int64_t K_)
-      : QuantizedRows(x, ldx, M_, K_, true), T(std::min<int64_t>(R, M_)), xt((M_ + T - 1) / T * T * K_),
-        st((M_ + T - 1) / T * T * G), ht(2 * st.size()) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = ((m / T) * G + g) * T + m % T;
-        std::memcpy(xt.data() + 32 * i, xi.data() + m * K + 32 * g, 32);
-        st[i] = s[m * G + g];
-        ht[2 * i] = hoffset[2 * (m * G + g)];
-        ht[2 * i + 1] = hoffset[2 * (m * G + g) + 1];
-      }
-  }
+  // Entry of row m0's group 0, for m0 a multiple of T (for_tiles<R> starts its tiles there).
+  int64_t first(int64_t m0) const { return (m0 / T) * G * T; }
 };
 
 constexpr int kNVFP4Rows = 6;     // activation rows per pass over nvfp4 tiles (registers: 2 x 6 dots + 6 sums)
@@ -136,7 +118,9 @@ void q8_row_block(const QuantizedRows& a, int64_t m0, const int8_t* tiles, const
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const int8_t* tile = tiles + rb * G * 512;
-  for (int64_t g = 0; g < G; ++g, tile += 512) {
+  const int8_t* xg = a.xi.data() + 32 * a.first(m0);      // this tile of rows' group g: xg [T, 32], sg [T]
+  const float* sg = a.s.data() + a.first(m0);
+  for (int64_t g = 0; g < G; ++g, tile += 512, xg += 32 * a.T, sg += a.T) {
     __m512i dot[MB];
     for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
@@ -144,12 +128,12 @@ void q8_row_block(const QuantizedRows& a, int64_t m0, const int8_t* tiles, const
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * c), flip);
       for (int m = 0; m < MB; ++m) {
         int32_t x4;
-        std::memcpy(&x4, a.xi.data() + (m0 + m) * a.K + 32 * g + 4 * c, 4);
+        std::memcpy(&x4, xg + 32 * m + 4 * c, 4);
         dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x4));
       }
     }
     for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(a.s[(m0 + m) * G + g]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(sg[m]), acc[m]);
   }
   const __m512 sc = _mm512_loadu_ps(scale + 16 * rb);
   const __mmask16 mask = tail_mask(N - 16 * rb);
@@ -167,7 +151,10 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* tile = tiles + rb * G * 320;
-  for (int64_t g = 0; g < G; ++g, tile += 320) {
+  const int8_t* xg = a.xi.data() + 32 * a.first(m0);      // this tile of rows' group g: xg [T, 32], sg, zg [T]
+  const float* sg = a.s.data() + a.first(m0);
+  const float* zg = a.xsum.data() + a.first(m0);
+  for (int64_t g = 0; g < G; ++g, tile += 320, xg += 32 * a.T, sg += a.T, zg += a.T) {
     _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 320 + 128), _MM_HINT_T0);
@@ -179,7 +166,7 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
       const __m512i w = _mm512_loadu_si512(tile + 64 * c);
       const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       for (int m = 0; m < MB; ++m) {
-        const int8_t* x8 = a.xi.data() + (m0 + m) * a.K + 32 * g + 8 * c;
+        const int8_t* x8 = xg + 32 * m + 8 * c;
         int32_t x_lo, x_hi;
         std::memcpy(&x_lo, x8, 4);
         std::memcpy(&x_hi, x8 + 4, 4);
@@ -190,9 +177,8 @@ void q4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, floa
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256)));
     const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
     for (int m = 0; m < MB; ++m) {
-      const int64_t sg = (m0 + m) * G + g;
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(a.s[sg])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[sg]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(sg[m])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(zg[m]), acc[m]);
     }
   }
   const __mmask16 mask = tail_mask(N - 16 * rb);
@@ -220,18 +206,18 @@ inline __m512i e2m1_bytes(const __m512i& lut, const __m512i& w) {
 // nvfp4: y[m0 + m, 16 rb .. 16 rb + 16) for MB rows of x; each group's two blocks of 16 are summed apart
 // (chunks 0-1 hold inputs 0-15, chunks 2-3 inputs 16-31) and scaled by their own E4M3 scales.
 template <int MB>
-void nvfp4_row_block(const TiledRows<kNVFP4Rows>& a, int64_t m0, const uint8_t* tiles, const float* row_scale,
-                     float* y, int64_t ldy, int64_t rb, int64_t N) {
-  const int64_t G = a.G, T = a.T, first = (m0 / T) * G * T;   // m0: a multiple of T (for_tiles<R>, T < R: m0 = 0)
+void nvfp4_row_block(const QuantizedRows& a, int64_t m0, const uint8_t* tiles, const float* row_scale, float* y,
+                     int64_t ldy, int64_t rb, int64_t N) {
+  const int64_t G = a.G, T = a.T, first = a.first(m0);
   // 2 x E2M1 + 12 for codes 0..15 (bit 3 the sign), repeated: every 16 bytes of the register
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                            12, 11, 10, 9, 8, 6, 4, 0));
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* tile = tiles + rb * G * 288;
-  const int8_t* xg = a.xt.data() + 32 * first;           // this tile of rows' group g: xg [T, 32]
-  const float* sg = a.st.data() + first;                  // sg [T]
-  const int32_t* hg = a.ht.data() + 2 * first;            // hg [T, 2]
+  const int8_t* xg = a.xi.data() + 32 * first;           // this tile of rows' group g: xg [T, 32]
+  const float* sg = a.s.data() + first;                   // sg [T]
+  const int32_t* hg = a.hoffset.data() + 2 * first;       // hg [T, 2]
   for (int64_t g = 0; g < G; ++g, tile += 288, xg += 32 * T, sg += T, hg += 2 * T) {
     for (int p = 0; p < 288; p += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * 288 + p), _MM_HINT_T0);
     // each block's dot product starts at -12 x its activations' sum: it ends at sum (2 v) xi, exactly
@@ -332,7 +318,7 @@ namespace {
 
 // The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
 // row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
-template <int TileRows, class Rows = QuantizedRows, class RowBlock>
+template <int TileRows, bool HalfSums = false, class RowBlock>
 torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
                         const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N,
                         const RowBlock& row_block) {
@@ -344,7 +330,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
   TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
                                    scale->numel() == 16 * blocks),
               name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
-  const Rows a(x.data_ptr<float>(), x.stride(0), M, K);
+  const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K, TileRows, HalfSums);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
@@ -377,8 +363,8 @@ torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
 torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const auto* rp = static_cast<const float*>(row_scale.data_ptr());
-  return int_tiles<kNVFP4Rows, TiledRows<kNVFP4Rows>>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
-                   [&](auto rows, const TiledRows<kNVFP4Rows>& a, int64_t m0, int64_t rb, float* y) {
+  return int_tiles<kNVFP4Rows, true>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+                   [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
                    });
 }
