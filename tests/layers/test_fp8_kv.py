@@ -120,6 +120,8 @@ def test_native_fp8_write_refuses_bad_arguments():
         write(k, k, cache.float(), cache, torch.arange(4), ones, ones)
     with pytest.raises(RuntimeError, match="scales must be float32 \\[KV\\]"):
         write(k, k, cache, cache, torch.arange(4), torch.ones(3), ones)
+    with pytest.raises(RuntimeError, match="as many slots"):
+        write(k, k, cache, torch.zeros(2, 9, 64, dtype=torch.float8_e4m3fn), torch.arange(4), ones, ones)
 
 
 @pytest.mark.parametrize("chunks", [[(0, 40)], [(0, 33), (64, 31), (5, 97)]])

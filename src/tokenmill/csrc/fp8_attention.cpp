@@ -154,7 +154,8 @@ inline __m128i encode16_e4m3(const float* x, __m512 scale) {
   const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
   const __m512i magnitude = _mm512_xor_si512(bits, sign);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, 20), _mm512_set1_epi32(1));
-  const __m512i rebiased = _mm512_add_epi32(magnitude, _mm512_set1_epi32(static_cast<int>((uint32_t(7 - 127) << 23) + 0x7FFFFu)));
+  const __m512i rebias = _mm512_set1_epi32(static_cast<int>((uint32_t(7 - 127) << 23) + 0x7FFFFu));
+  const __m512i rebiased = _mm512_add_epi32(magnitude, rebias);
   const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(rebiased, odd), 20);
   const __m512i denorm = _mm512_set1_epi32(141 << 23);
   const __m512i subnormal = _mm512_sub_epi32(
@@ -196,6 +197,7 @@ void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::T
   check_fp8_write_args(k, k_cache, k_scale, slot_mapping);
   check_fp8_write_args(v, v_cache, v_scale, slot_mapping);
   const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
+  TORCH_CHECK(v_cache.size(1) == S, "write_kv_cache_fp8: the key and value caches must hold as many slots");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "write_kv_cache_fp8: slot out of range");
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
