@@ -14,6 +14,7 @@ the same prompt from the same GGUF file in the same run (benchmarks/peers/llama_
 mode's speed is also given as a ratio to it.
 
     .venv/bin/python benchmarks/decode_latency.py [--runs 3] [--modes fp32,int8,int4,w8a8] [--profile int4]
+        (a mode's suffix `+kvfp8`, e.g. `int4+kvfp8`, gives it an FP8 KV cache)
         [--llama-cpp "$(benchmarks/peers/llama_cpp_setup.sh)"]
 """
 from __future__ import annotations
@@ -147,10 +148,12 @@ def main() -> None:
         peer = statistics.median(rates)
         print(f"llama.cpp (same GGUF, Q4_1, {torch.get_num_threads()} threads): {peer:.1f} decode tok/s "
               f"(runs: {' '.join(f'{r:.1f}' for r in rates)})")
-    print(f"{'mode':6s} {'decode tok/s':>12s} {'runs':>24s} {'GB/s':>6s} {'MB/step':>8s} {'bound tok/s':>11s} "
+    print(f"{'mode':10s} {'decode tok/s':>12s} {'runs':>24s} {'GB/s':>6s} {'MB/step':>8s} {'bound tok/s':>11s} "
           f"{'of bound':>8s}" + (f" {'/llama.cpp':>10s}" if peer else ""))
     for mode in args.modes.split(","):
-        llm = LLM(quantization=None if mode == "fp32" else mode, kv_cache_memory_bytes=1 << 27)
+        weights, _, kv = mode.partition("+kv")                            # e.g. int4+kvfp8: an FP8 KV cache
+        llm = LLM(quantization=None if weights == "fp32" else weights, kv_cache_dtype=kv or "auto",
+                  kv_cache_memory_bytes=1 << 27)
         cfg = llm.engine.config.model
         kv_mean = cfg.kv_bytes_per_token * (args.prompt_len + args.output_len / 2)
         runner = llm.engine.core.runner
@@ -161,11 +164,11 @@ def main() -> None:
         rates = [decode_tok_s(llm, prompt, args.output_len) for _ in range(args.runs)]
         med, bound = statistics.median(rates), bandwidth * 1e9 / step_bytes
         read_bound = bandwidth * 1e9 / read_bytes
-        print(f"{mode:6s} {med:12.1f} {' '.join(f'{r:.1f}' for r in rates):>24s} {bandwidth:6.1f} "
+        print(f"{mode:10s} {med:12.1f} {' '.join(f'{r:.1f}' for r in rates):>24s} {bandwidth:6.1f} "
               f"{step_bytes / 1e6:8.1f} {bound:11.1f} {med / bound:8.0%}" + (f" {med / peer:9.2f}x" if peer else ""),
               flush=True)
         if read_bytes != step_bytes:
-            print(f"{'':6s} the greedy head reads its int8 copy instead: {read_bytes / 1e6:.1f} MB/step, "
+            print(f"{'':10s} the greedy head reads its int8 copy instead: {read_bytes / 1e6:.1f} MB/step, "
                   f"bound {read_bound:.1f} tok/s, {med / read_bound:.0%} of it")
         if mode == args.profile:
             profile_run(llm, prompt, args.output_len)
