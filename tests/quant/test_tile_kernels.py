@@ -96,6 +96,19 @@ def test_kernels_take_strided_rows_and_reject_wrong_shapes():
                                                            torch.ones(32))[:1], torch.ones(8), 32)
 
 
+def test_kernels_take_zero_rows():
+    """A step may hand a layer no rows: each integer kernel returns [0, N]."""
+    from tokenmill.quant import fp4
+    w = torch.randn(32, 128)
+    x = torch.empty(0, 128)
+    assert native.gemv_q4(x, pack_q4_tiles(*quantize_groupwise_int4(w)), 32).shape == (0, 32)
+    assert native.gemv_q8(x, *pack_q8_tiles(*quantize_per_channel_int8(w)), 32).shape == (0, 32)
+    block_scale, tensor_scale = fp4.nvfp4_scales(w)
+    packed = fp4.quantize(w, block_scale.float() * tensor_scale, 16)
+    tiles, row_scale = fp4.pack_nvfp4_tiles(packed, block_scale, tensor_scale.expand(32))
+    assert native.gemv_nvfp4(x, tiles, row_scale, 32).shape == (0, 32)
+
+
 def test_q4_tiles_hold_every_nibble_and_float16_scale_once():
     """Unpack the tile layout in numpy and get q, d and m back exactly."""
     g = torch.Generator().manual_seed(5)

@@ -60,7 +60,7 @@ using tile_loop::tail_mask;
 // arrays need a pointer per row and array, more than the general registers hold at 4-6 rows: measured, the
 // spills cost the nvfp4 kernel a quarter of its time at 512 rows.) Entries of rows past M are zero.
 struct QuantizedRows {
-  int64_t M, K, G, T;            // rows, inputs, groups of 32, rows a tile
+  int64_t M, K, G, T;            // rows, inputs, groups of 32, rows a tile (>= 1, also for M = 0)
   std::vector<int8_t> xi;        // [ceil(M / T), G, T, 32]
   std::vector<float> s;          // [ceil(M / T), G, T]
   std::vector<float> xsum;       // [ceil(M / T), G, T] s[g] * sum_{k in g} xi[k]: what q4's offsets m multiply
@@ -69,7 +69,8 @@ struct QuantizedRows {
                                  // (nvfp4's blocks; filled only when asked for: int8 / int4 skip the extra sums)
 
   QuantizedRows(const float* x, int64_t ldx, int64_t M_, int64_t K_, int64_t R, bool half_sums)
-      : M(M_), K(K_), G(K_ / 32), T(std::min(R, M_)), xi((M_ + T - 1) / T * T * K_), s(xi.size() / 32),
+      : M(M_), K(K_), G(K_ / 32), T(std::max<int64_t>(1, std::min(R, M_))), xi((M_ + T - 1) / T * T * K_),
+        s(xi.size() / 32),
         xsum(s.size()), shift(M_), hoffset(half_sums ? 2 * s.size() : 0) {
     for (int64_t m = 0; m < M; ++m) {
       double sh = 0.0;
