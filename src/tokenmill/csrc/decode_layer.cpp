@@ -20,7 +20,6 @@
 #include "gemv_kernels.h"
 #include "moe_kernels.h"
 
-
 #include <algorithm>
 
 namespace {
