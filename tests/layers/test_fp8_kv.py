@@ -1,6 +1,6 @@
 """FP8 (E4M3) KV cache, kv_cache_dtype="fp8" (K/V per kv head, and MLA's latent cache): a quarter of fp32's
 bytes, counted as such; the native decode and prefill
-kernels equal the torch path; the engine's logits stay within a stated bound of the fp32 cache's (greedy
+kernels equal the torch path and the native cache write is bitwise torch's quantizer; the engine's logits stay within a stated bound of the fp32 cache's (greedy
 tokens equal up to near-ties); checkpoint scales are used; bad settings are refused by name."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant import get_quant_method, tile_kernels
+from tokenmill.quant import fp4, get_quant_method, tile_kernels
 from tokenmill.quant.int4 import pack_q4_tiles, quantize_groupwise_int4
 from tokenmill.quant.int8 import pack_q8_tiles, quantize_per_channel_int8
 from tokenmill.quant.unquantized import pack_f32_tiles
@@ -98,7 +98,6 @@ def test_kernels_take_strided_rows_and_reject_wrong_shapes():
 
 def test_kernels_take_zero_rows():
     """A step may hand a layer no rows: each integer kernel returns [0, N]."""
-    from tokenmill.quant import fp4
     w = torch.randn(32, 128)
     x = torch.empty(0, 128)
     assert native.gemv_q4(x, pack_q4_tiles(*quantize_groupwise_int4(w)), 32).shape == (0, 32)
