@@ -7,6 +7,8 @@
    acceptance length.
 2. Batch 64, Offline: 64 summarization requests (the articles repeated) at once, output tok/s of adaptive
    speculation vs none (the target: never a loss at high load), the median of --runs.
+A config named with the suffix `+perop-verify` runs its verify steps on the per-op path, as before the native
+decode program took them (platforms/cpu_decode.py: max_query_len 1), for a same-run comparison.
 Every engine is built first and the runs interleave them (run 1 of each config, then run 2, ...), so a
 drift of the machine's speed lands on every config alike.
 
@@ -93,8 +95,12 @@ def main() -> None:
     names = args.configs.split(",")
     engines = {}
     for name in names:              # every engine at once: the runs below interleave them (same drift)
-        engines[name] = LLM(quantization=args.quantization, speculative_config=configs[name],
+        base_name = name.removesuffix("+perop-verify")
+        engines[name] = LLM(quantization=args.quantization, speculative_config=configs[base_name],
                             enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
+        program = engines[name].engine.core.runner.fused_decode
+        if name != base_name and program is not None:
+            program.max_query_len = 1                                  # verify steps take the per-op path
         engines[name].generate(texts[:1], None)                        # warm-up
     rates = {name: [] for name in names}
     lengths = {name: [] for name in names}
@@ -105,7 +111,7 @@ def main() -> None:
                 r, a = batch1(engines[name], texts)
                 rates[name] += r
                 lengths[name] += a
-            if not args.skip_offline and not name.endswith("-fixed"):
+            if not args.skip_offline and "-fixed" not in name:
                 offline_rates[name].append(offline(engines[name], texts, args.offline_requests))
                 print(f"run {run + 1} {name}: offline x{args.offline_requests} {offline_rates[name][-1]:.1f} tok/s",
                       flush=True)

@@ -112,3 +112,51 @@ def test_a_native_linear_without_a_large_kernel_says_so(tiny_model_factory):
     with pytest.raises(RuntimeError, match="unknown large kind"):
         native.DecodeLinear("f32", linear.f32_tiles, None, None, linear.out_features, 16,
                             native.LargeLinear("bf16", linear.f32_tiles))
+
+
+SPEC_PROMPTS = [[101, 202, 303, 404, 505, 606, 707] * 4, [11, 12, 13] * 6 + [14], [7, 8, 9, 10, 11] * 3, [42] * 9]
+
+
+def _speculate(model_dir: str, mode: str | None, native: bool, kv_cache_dtype: str, prompts):
+    llm = LLM(model_dir, quantization=mode, native_decode_layers=native, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 23, block_size=4, kv_cache_dtype=kv_cache_dtype,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return tokens, llm.engine.core.runner.fused_decode, llm.engine.stats().spec_decode
+
+
+@pytest.mark.parametrize("mode,kv", [(None, "auto"), ("int4", "auto"), ("fp8", "auto"), ("int4", "fp8")])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_verify_steps_run_natively_as_decode_rows_with_the_per_op_paths_tokens(tiny_model_factory, mode, kv, batch):
+    """A verify step (1 + k new tokens of a request) runs in the program, each token a decode row seeing its
+    causal prefix: greedy tokens equal the per-op path's (prefill kernel over the same rows) and no
+    speculation's."""
+    model_dir = tiny_model_factory("llama")
+    prompts = SPEC_PROMPTS[:batch]
+    native, program, stats = _speculate(model_dir, mode, True, kv, prompts)
+    per_op, unbound, _ = _speculate(model_dir, mode, False, kv, prompts)
+    plain = LLM(model_dir, quantization=mode, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 23,
+                block_size=4, kv_cache_dtype=kv)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True))]
+    assert unbound is None and stats.num_drafts > 0
+    assert program.verify_steps > 0
+    assert native == per_op == expected
+
+
+def test_the_program_leaves_prefills_and_long_verify_steps_to_the_per_op_path(tiny_model_factory):
+    from tokenmill.worker.input_batch import build_attention_metadata
+    llm = LLM(tiny_model_factory("llama"), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22, block_size=4)
+    program = llm.engine.core.runner.fused_decode
+    blocks = list(range(1, 40))
+    meta = lambda *reqs: build_attention_metadata([(blocks, start, n) for start, n in reqs], 4)   # noqa: E731
+    assert program.takes(meta((10, 1), (3, 1)))                    # decodes
+    assert program.takes(meta((10, 5), (3, 1)))                    # a verify of 4 drafts beside a decode
+    assert not program.takes(meta((0, 5)))                         # a request's first chunk: a prefill
+    assert not program.takes(meta((10, program.max_query_len + 1)))
+    assert program.takes(meta(*[(20, 5)] * 40))                    # 200 rows: int4/float32 take any number
+    slots, lens = program.row_tables(meta((10, 3), (6, 1)))
+    assert lens.tolist() == [11, 12, 13, 7]
+    assert slots.shape == (4, 13) and slots[0, :11].tolist() == slots[2, :11].tolist()
+    assert slots[3, :7].tolist() == [4 + i for i in range(7)]      # block 1's slots 4..7, then block 2's
