@@ -66,6 +66,30 @@ def test_scales_follow_compressed_tensors_shapes():
     assert torch.allclose(block[1, 2], w[128:, 256:].abs().max() / 448)
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_searched_scales_never_raise_the_error_and_keep_the_checkpoints_shapes(strategy):
+    """Each group's factor is in [1, 2) and its round-to-nearest output error is at most absmax / 448's; on
+    rows on a coarse grid of their own (as a dequantized Q4_1 file's), per channel far less. Per row the group errors
+    add up to the layer's output error exactly."""
+    from tokenmill.quant.offline import _group_errors, searched_scales
+    g = torch.Generator().manual_seed(3)
+    levels = torch.randint(0, 16, (160, 256), generator=g).float()
+    w = (levels - 7.3) * torch.rand(160, 1, generator=g) * 0.01          # 16 levels per row, any step
+    x = _correlated_inputs(256)
+    h = (x.T @ x).double() / len(x)
+    base_scale, base_full = fp8_scales(w, strategy)
+    scale, full = searched_scales(w, h, strategy, 16)
+    assert scale.shape == base_scale.shape and full.shape == w.shape
+    factor = scale / base_scale
+    assert (factor >= 1).all() and (factor < 2).all()
+    assert torch.equal(searched_scales(w, h, strategy, 1)[1], base_full)
+    rtn, searched = round_e4m3(w, base_full), round_e4m3(w, full)
+    # a row's own step can be matched by its own scale only (per tensor / block the rows' steps differ)
+    assert output_error(w, searched, h) <= (0.9 if strategy == "channel" else 1.0) * output_error(w, rtn, h)
+    groups = _group_errors((w - searched).double(), h, "channel")
+    assert torch.allclose(groups.sum(), torch.tensor(output_error(w, searched, h), dtype=torch.float64), rtol=1e-9)
+
+
 def _reference_logits(src: str, tensors: dict[str, torch.Tensor], ids) -> torch.Tensor:
     """transformers' logits of the float model at src with `tensors` (dequantized weights) in place."""
     from transformers import AutoModelForCausalLM
@@ -159,4 +183,5 @@ def test_sequential_calibration_reads_each_layer_after_the_rounded_ones(tiny_mod
     expect = offline.quantize_linear(offline.target_linears(model)[second].weight.data, seen[second], cfg)
     assert torch.equal(quantized[second].codes.view(torch.uint8), expect.codes.view(torch.uint8))
     weight = offline.target_linears(rounded_model)[second].weight.data                 # left on the grid
-    assert torch.equal(weight, offline.round_e4m3(weight, offline.fp8_scales(weight, "channel")[1]))
+    assert torch.equal(weight, offline.round_e4m3(weight, quantized[second].full))
+    assert torch.equal(weight, quantized[second].codes.float() * quantized[second].full)

@@ -29,6 +29,9 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=d.sequential,
                    help="GPTQ: calibrate each decoder layer on the already-rounded layers before it (a forward "
                         "pass per layer); --no-sequential: one pass of the float model for every layer")
+    p.add_argument("--scale-search", type=int, default=d.scale_search,
+                   help="scale factors in [1, 2) tried per scale group, the one with the least output error kept "
+                        "(1: absmax / 448 as round-to-nearest sets it)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=cmd_quantize)
 
@@ -44,7 +47,7 @@ def cmd_quantize(ns) -> int:
     cfg = offline.QuantizeConfig(strategy=ns.strategy, algorithm=ns.algorithm,
                                  gptq=GPTQConfig(damp=ns.damp, act_order=ns.act_order),
                                  num_sequences=ns.num_calibration_sequences, max_tokens=ns.calibration_max_tokens,
-                                 seed=ns.seed, sequential=ns.sequential)
+                                 seed=ns.seed, sequential=ns.sequential, scale_search=ns.scale_search)
     console, t0 = Console(stderr=True), time.perf_counter()
     source = open_model_source(ns.model)
     offline.check_dense(source.hf_config)
