@@ -36,10 +36,14 @@ CONFIGS = {
                           "adaptive": False},
     "self-20L-k3-adaptive": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 20},
 }
-MTP_CONFIGS = {   # the head's directory is added from --mtp-head
+MTP_CONFIGS = {   # the head's directory is added from --mtp-head; drafts among the head's default reduced
+    # vocabulary (spec/draft_vocab.py), "fullvocab" among every token
     "mtp-k1-fixed": {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False},
     "mtp-k2-fixed": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
+    "mtp-k3-fixed": {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False},
+    "mtp-k2-fixed-fullvocab": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "draft_vocab_size": 0},
     "mtp-k2-adaptive": {"method": "mtp", "num_speculative_tokens": 2},
+    "mtp-k3-adaptive": {"method": "mtp", "num_speculative_tokens": 3},
 }
 
 

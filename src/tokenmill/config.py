@@ -295,6 +295,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1               # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4               # ngram: the longest
     adaptive: bool = True                    # k per step from acceptance and the step-time model (False: k)
+    # mtp: drafts among the N tokens the head's training text used most (spec/draft_vocab.py; lossless, a
+    # draft is only a guess); None: the head's own default (train-mtp writes one), 0: the whole vocabulary
+    draft_vocab_size: int | None = None
     # "strict": lossless. "relaxed" (greedy requests, LOSSY, TensorRT-LLM's relaxed acceptance): a draft is
     # also accepted when it is among the target's top relaxed_top_n and its probability is within
     # relaxed_delta of the best one's
@@ -313,6 +316,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: acceptance must be 'strict' or 'relaxed', got {self.acceptance!r}")
         if not isinstance(self.relaxed_top_n, int) or self.relaxed_top_n < 1 or not 0.0 <= self.relaxed_delta <= 1.0:
             raise ValueError("speculative_config: relaxed_top_n must be an integer >= 1 and relaxed_delta in [0, 1]")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or isinstance(self.draft_vocab_size, bool) or self.draft_vocab_size < 0):
+            raise ValueError("speculative_config: draft_vocab_size must be an integer >= 0 (0: the whole vocabulary), "
+                             f"got {self.draft_vocab_size!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -7,7 +7,9 @@ the drafts accepted) go through the layer with t_{p+1} (the next verified token,
 now) and the target's h_p, writing the layer's cache there (held while the request drafts nothing, then
 run as one chunk). For a request that samples, the last row's
 logits give draft 1 (greedy: drafts are one-hot guesses, verified losslessly); drafts 2..k chain the
-layer on its own output at the next positions (the scheduler's lookahead slots)."""
+layer on its own output at the next positions (the scheduler's lookahead slots). A train-mtp head drafts
+among its training text's most frequent tokens by default (spec/draft_vocab.py: a head of those rows, a
+sixth of the bytes at 8,192 tokens); speculative_config draft_vocab_size chooses how many (0: all)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,7 @@ from tokenmill.models.mtp import SHARED_WITH_TARGET, build_mtp_layer
 from tokenmill.models.weights import load_named_weights
 from tokenmill.sample.rejection import speculation_applies
 from tokenmill.spec.base import WorkerProposer
+from tokenmill.spec.draft_vocab import build_draft_vocab_head, read_token_counts
 from tokenmill.spec.drafter import DraftBatch, Drafter, DraftStep, reaches
 
 logger = logging.getLogger("tokenmill")
@@ -47,6 +50,8 @@ class MTPDrafter(Drafter):
         for moe in moe_blocks(self.layer):
             moe.set_kernel(platform.moe_kernel(moe))
         self.layer.eval()
+        counts, default_size = _head_vocab(config)
+        self.draft_head = build_draft_vocab_head(config, target, platform, counts, default_size)   # None: full
 
     def attention_layers(self) -> list:
         return [self.layer.self_attn]
@@ -78,7 +83,10 @@ class MTPDrafter(Drafter):
         return self.layer.predict(model.embed_tokens, model.rotary.gather(pos_t), ids_t, pos_t, prev_hidden, meta)
 
     def _draft(self, hidden: torch.Tensor) -> list[int]:
-        return self.target.compute_logits(self.layer.shared_head.norm(hidden)).argmax(dim=-1).tolist()
+        h = self.layer.shared_head.norm(hidden)
+        if self.draft_head is not None:                      # the most frequent tokens only (draft_vocab.py)
+            return self.draft_head(h)
+        return self.target.compute_logits(h).argmax(dim=-1).tolist()
 
     def _chain(self, step: DraftStep, hidden, tails) -> dict[str, list[int]]:
         """Draft 1 from each tail row; drafts 2..k by running the layer on its own output at the next
@@ -141,6 +149,16 @@ def mtp_weights(config, target):
                          f"layers {config.model.num_mtp_layers}, no {prefix}* tensors); give a head "
                          "`tokenmill train-mtp` made as speculative_config {\"model\": DIR}")
     return weights
+
+
+def _head_vocab(config) -> tuple[torch.Tensor | None, int | None]:
+    """A train-mtp head's token counts and default draft vocabulary size (None, None: none recorded)."""
+    path = config.speculative.model
+    if not path:
+        return None, None
+    meta_path = os.path.join(path, HEAD_CONFIG)
+    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    return read_token_counts(path), meta.get("draft_vocab_size")
 
 
 def _head_weights(path: str, architecture: str):

@@ -35,6 +35,7 @@ class TrainConfig:
     steps: int = 400
     lr: float = 1e-3
     holdout: float = 0.1              # share of sequences kept for the accuracy check
+    draft_vocab_size: int = 8192      # the default reduced draft vocabulary saved with the head (0: whole)
     seed: int = 0
 
 
@@ -48,6 +49,7 @@ class Sequence:
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     accuracy: float = 0.0             # held out: the head's argmax == the target's argmax
+    draft_vocab_accuracy: float | None = None   # the same, the head's argmax taken among the draft vocabulary
     tokens: int = 0
 
 
@@ -163,15 +165,28 @@ def train(model: MTPTrainee, seqs: list[Sequence], cfg: TrainConfig, on_step=Non
         if on_step:
             on_step(step, loss.item())
     result.accuracy = accuracy(model, held or used)
+    if 0 < cfg.draft_vocab_size < model.head.shape[0]:
+        from tokenmill.spec.draft_vocab import top_tokens
+        vocab = top_tokens(token_counts(used, model.head.shape[0]), cfg.draft_vocab_size)
+        result.draft_vocab_accuracy = accuracy(model, held or used, vocab)
     return result
 
 
+def token_counts(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """[vocab] int64: how often each token occurs in the sequences (prompts and what the model wrote), the
+    counts spec/draft_vocab.py chooses a reduced draft vocabulary by."""
+    return torch.bincount(torch.cat([s.ids for s in seqs]), minlength=vocab_size)[:vocab_size]
+
+
 @torch.no_grad()
-def accuracy(model: MTPTrainee, seqs: list[Sequence]) -> float:
+def accuracy(model: MTPTrainee, seqs: list[Sequence], vocab: torch.Tensor | None = None) -> float:
+    """How often the head's argmax (among `vocab` when given) is the target's argmax."""
     hits = total = 0
     for seq in seqs:
         ids_next, hidden, q = _targets(model, seq)
-        hits += int((model(ids_next, hidden).argmax(dim=-1) == q.argmax(dim=-1)).sum())
+        logits = model(ids_next, hidden)
+        guess = logits.argmax(dim=-1) if vocab is None else vocab[logits.index_select(1, vocab).argmax(dim=-1)]
+        hits += int((guess == q.argmax(dim=-1)).sum())
         total += len(ids_next)
     return hits / max(total, 1)
 

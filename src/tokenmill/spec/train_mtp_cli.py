@@ -22,6 +22,9 @@ def add_train_mtp_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help="the reduced draft vocabulary the head drafts from by default: the most frequent tokens of "
+                        "its training text (0: the whole vocabulary)")
     p.set_defaults(func=cmd_train_mtp)
 
 
@@ -31,12 +34,13 @@ def cmd_train_mtp(ns) -> int:
     from tokenmill import LLM
     from tokenmill.loaders import open_model_source
     from tokenmill.spec.mtp import HEAD_CONFIG, HEAD_FILE
-    from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, train
+    from tokenmill.spec.draft_vocab import TOKEN_COUNTS
+    from tokenmill.spec.train_mtp import MTPTrainee, TrainConfig, generate_sequences, target_weights, token_counts, train
     cfg = TrainConfig(num_prompts=ns.num_prompts, num_summaries=ns.num_summaries, max_tokens=ns.max_tokens,
-                      steps=ns.steps, lr=ns.lr, seed=ns.seed)
-    if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2 or cfg.num_summaries < 0:
+                      steps=ns.steps, lr=ns.lr, seed=ns.seed, draft_vocab_size=ns.draft_vocab_size)
+    if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2 or cfg.num_summaries < 0 or cfg.draft_vocab_size < 0:
         raise ValueError("train-mtp: --steps and --num-prompts must be >= 1, --max-tokens >= 2 and "
-                         "--num-summaries >= 0")
+                         "--num-summaries and --draft-vocab-size >= 0")
     os.makedirs(ns.out, exist_ok=True)
     console, t0 = Console(stderr=True), time.perf_counter()
     llm = LLM(ns.model, quantization=ns.quantization)
@@ -56,15 +60,19 @@ def cmd_train_mtp(ns) -> int:
                                                                              description=f"training (loss {loss:.3f})"))
     from safetensors.torch import save_file
     save_file(model.state_for_save(), os.path.join(ns.out, HEAD_FILE))
+    save_file({"token_counts": token_counts(seqs, model.head.shape[0])}, os.path.join(ns.out, TOKEN_COUNTS))
     meta = {"architecture": architecture, "target": source.path, "quantization": ns.quantization,
             "steps": cfg.steps, "sequences": len(seqs), "tokens": result.tokens, "final_loss": result.losses[-1],
-            "heldout_top1_agreement": result.accuracy, "seconds": round(time.perf_counter() - t0, 1),
+            "heldout_top1_agreement": result.accuracy, "draft_vocab_size": cfg.draft_vocab_size,
+            "heldout_top1_agreement_draft_vocab": result.draft_vocab_accuracy, "seconds": round(time.perf_counter() - t0, 1),
             "loss_curve": [round(x, 5) for x in result.losses]}
     with open(os.path.join(ns.out, HEAD_CONFIG), "w") as f:
         json.dump(meta, f, indent=2)
     plot_losses(result.losses, os.path.join(ns.out, "loss.png"))
+    reduced = "" if result.draft_vocab_accuracy is None else \
+        f" ({result.draft_vocab_accuracy:.1%} drafting among its {cfg.draft_vocab_size} most frequent tokens)"
     console.print(f"saved {ns.out}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out agreement "
-                  f"with the target's next token {result.accuracy:.1%}, {meta['seconds']} s")
+                  f"with the target's next token {result.accuracy:.1%}{reduced}, {meta['seconds']} s")
     return 0
 
 
