@@ -31,6 +31,7 @@ CONFIGS = {
     "none": None,
     "ngram-k4-fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram-k4-adaptive": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram-k8-adaptive": {"method": "ngram", "num_speculative_tokens": 8},
     # self-speculation: the default model's first 20 of its 30 layers draft
     "self-20L-k3-fixed": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 20,
                           "adaptive": False},

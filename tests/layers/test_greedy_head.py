@@ -156,3 +156,27 @@ def test_engine_tokens_match_the_logits_path(tiny_model_factory, tie):
             llm.generate(PROMPTS[:1], with_logprobs)
             assert head.rows_screened == 12 * len(PROMPTS)           # not screened: logprobs need logits
     assert outs[True] == outs[False]
+
+
+def test_greedy_verification_of_drafts_reads_the_screen(tiny_model_factory):
+    """Speculative verify rows (n-gram drafts) take their target tokens from the greedy head, min_tokens bans
+    at each row's own position included: the same tokens as the logits path and as no speculation."""
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
+    prompts = [[101, 202, 303, 404, 505] * 5, [11, 12, 13] * 6, [42] * 9]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    outs = {}
+    for name, screen, speculative in (("screen", True, spec), ("logits", False, spec), ("plain", True, None)):
+        llm = LLM(model_dir, greedy_screen=screen, kv_cache_memory_bytes=1 << 23, block_size=4,
+                  enable_prefix_caching=False, speculative_config=speculative)
+        head = llm.engine.core.runner.greedy_head
+        if screen and head is None:
+            pytest.skip("the greedy head needs AVX-512 VNNI and the native kernels")
+        stop = llm.engine.core.runner.model.config.vocab_size - 1
+        params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=14, stop_token_ids=[stop, 303, 12])
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if name == "screen":
+            stats = llm.engine.stats().spec_decode
+            assert stats.num_drafts > 0
+            # every target token came from the screen: more rows than steps where drafts were verified
+            assert head.rows_screened >= sum(len(t) for t in outs[name]) + stats.num_draft_tokens - stats.num_accepted_tokens
+    assert outs["screen"] == outs["logits"] == outs["plain"]

@@ -22,7 +22,8 @@ from tokenmill.platforms import cpu_native
 
 
 class NativeDecodeProgram:
-    max_query_len = 8         # a request's new tokens in a step run here: a decode, or a verify of up to 7 drafts
+    max_query_len = 17        # a request's new tokens in a step run here: a decode, or a verify of up to 16
+                              # drafts (SpeculativeConfig's most); a longer chunk is a prefill
 
     def __init__(self, decoder, native_layers: list, max_rows: int) -> None:
         self.decoder, self.native_layers, self.max_rows = decoder, native_layers, max_rows

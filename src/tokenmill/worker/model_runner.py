@@ -206,6 +206,9 @@ class ModelRunner:
     def _verify_drafts(self, hidden, scheduled, metas, num_rows: list[int]) -> RunnerOutput:
         """hidden: per request that samples, its last 1 + d rows (d drafts). Requests with drafts get their
         accepted drafts plus one token (sample/rejection.py); the others are sampled as usual."""
+        screened = self._screened_verify(hidden, scheduled, metas, num_rows)
+        if screened is not None:
+            return screened
         logits = self.model.compute_logits(hidden)                       # [sum(num_rows), vocab] float32
         sampled: dict[str, list[int]] = {}
         plain, row = [], 0
@@ -225,6 +228,34 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[sr.request_id] = [lp]
         return RunnerOutput(sampled, logprobs)
+
+    def _screened_verify(self, hidden, scheduled, metas, num_rows: list[int]) -> RunnerOutput | None:
+        """Greedy verification from the greedy head, without the float logits, where every request is greedy
+        without logprobs or penalties and acceptance is strict: each row's target token (its min_tokens bans
+        at that row's position, as verify's masking), the drafts accepted while they equal it, then the
+        target's token. None (the caller computes the logits) otherwise or where the head answers no row."""
+        if self.greedy_head is None or self.relaxed is not None:
+            return None
+        bans = argmax_bans(metas, self.greedy_head.vocab_size)
+        if bans is None:
+            return None
+        row_bans = []
+        for meta, banned, n in zip(metas, bans, num_rows):
+            short = meta.params.min_tokens - len(meta.output_token_ids)      # rows still short of min_tokens
+            row_bans += [banned if i < short else [] for i in range(n)]
+        tokens = self.greedy_head(hidden, row_bans)
+        if bool((tokens < 0).any()):
+            return None
+        tokens, sampled, row = tokens.tolist(), {}, 0
+        for sr, n in zip(scheduled, num_rows):
+            target = tokens[row:row + n]
+            drafts = list(sr.token_ids[sr.num_new_tokens - sr.num_draft_tokens:]) if n > 1 else []
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            sampled[sr.request_id] = drafts[:accepted] + [target[accepted]]
+            row += n
+        return RunnerOutput(sampled)
 
     def _check_vocab(self, out: RunnerOutput) -> RunnerOutput:
         """A sampled id outside the vocabulary never reaches the cache: its request fails instead."""
