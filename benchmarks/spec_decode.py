@@ -81,7 +81,7 @@ def offline(llm, texts: list[str], n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--quantization", default="int4", help="int4, int8, ... or fp32 (the float weights)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--skip-offline", action="store_true")
@@ -94,6 +94,7 @@ def main() -> None:
         if args.configs == ",".join(CONFIGS):
             args.configs = ",".join(configs)
     from tokenmill import LLM
+    quantization = None if args.quantization in ("fp32", "none") else args.quantization
     texts = prompts()
     print(f"default model, {args.quantization or 'fp32'}, {len(texts)} articles, 128 output tokens, "
           f"medians of {args.runs}; {os.cpu_count()} cores")
@@ -101,7 +102,7 @@ def main() -> None:
     engines = {}
     for name in names:              # every engine at once: the runs below interleave them (same drift)
         base_name = name.removesuffix("+perop-verify")
-        engines[name] = LLM(quantization=args.quantization, speculative_config=configs[base_name],
+        engines[name] = LLM(quantization=quantization, speculative_config=configs[base_name],
                             enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
         program = engines[name].engine.core.runner.fused_decode
         if name != base_name and program is not None:
