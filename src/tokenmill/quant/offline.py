@@ -178,9 +178,7 @@ class QuantizedLinear:
     codes: torch.Tensor                    # [N, K] float8_e4m3fn
     scale: torch.Tensor                    # the checkpoint's weight_scale (fp8_scales)
     error: float                           # output error of these codes on the calibration inputs
-    rtn_error: float                       # the same of round-to-nearest
-
-
+    rtn_error: float                       # the same of round-to-nearest (scales absmax / 448)
     full: torch.Tensor | None = None       # each weight's scale [N, K] (the codes times it: the rounded weight)
 
 

@@ -233,7 +233,8 @@ class ModelRunner:
         """Greedy verification from the greedy head, without the float logits, where every request is greedy
         without logprobs or penalties and acceptance is strict: each row's target token (its min_tokens bans
         at that row's position, as verify's masking), the drafts accepted while they equal it, then the
-        target's token. None (the caller computes the logits) otherwise or where the head answers no row."""
+        target's token. None (the caller computes the logits) otherwise, or where the head leaves a row
+        unanswered."""
         if self.greedy_head is None or self.relaxed is not None:
             return None
         bans = argmax_bans(metas, self.greedy_head.vocab_size)
