@@ -320,6 +320,8 @@ class SpeculativeConfig:
                                                   or isinstance(self.draft_vocab_size, bool) or self.draft_vocab_size < 0):
             raise ValueError("speculative_config: draft_vocab_size must be an integer >= 0 (0: the whole vocabulary), "
                              f"got {self.draft_vocab_size!r}")
+        if self.draft_vocab_size is not None and self.method != "mtp":
+            raise ValueError(f"speculative_config: draft_vocab_size applies to method 'mtp' only, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

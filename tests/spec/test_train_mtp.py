@@ -99,6 +99,9 @@ def test_a_reduced_draft_vocabulary_without_counts_is_a_clear_error(head, tmp_pa
     with pytest.raises(ValueError, match="draft_vocab_size must be an integer >= 0"):
         LLM(model, kv_cache_memory_bytes=1 << 22,
             speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": out, "draft_vocab_size": -1})
+    with pytest.raises(ValueError, match="draft_vocab_size applies to method 'mtp' only, not 'ngram'"):
+        LLM(model, kv_cache_memory_bytes=1 << 22,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 64})
 
 
 def test_a_head_for_another_architecture_or_none_is_a_clear_error(head, tiny_model_factory, tmp_path):
