@@ -32,13 +32,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
     within delta of the best (LOSSY: the output is no longer exactly greedy)."""
     logits = _min_tokens_masked(logits, meta)
     if meta.params.greedy:
-        target = _argmax(logits).tolist()
-        accepted = 0
-        while accepted < len(drafts) and (drafts[accepted] == target[accepted] or
-                                          (relaxed is not None and _close_enough(logits[accepted], drafts[accepted],
-                                                                                 *relaxed))):
-            accepted += 1
-        return drafts[:accepted] + [target[accepted]]
+        also = None if relaxed is None else (lambda i: _close_enough(logits[i], drafts[i], *relaxed))
+        return accept_greedy(drafts, _argmax(logits).tolist(), also)
     probs = Sampler.target_probs(logits.float().clone(), [meta] * logits.shape[0])      # [k + 1, vocab]
     for i, draft in enumerate(drafts):
         row = probs[i]
@@ -51,6 +46,22 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
     return drafts + [_draw(sampler, probs[-1], meta)]
 
 
+def accept_greedy(drafts: list[int], target: list[int], also=None) -> list[int]:
+    """Greedy verification: the drafts accepted while each is the target's token at its position (or
+    also(i) holds: relaxed acceptance), then the target's token where the run stops. target: the target's
+    tokens at the len(drafts) + 1 positions."""
+    accepted = 0
+    while accepted < len(drafts) and (drafts[accepted] == target[accepted] or (also is not None and also(accepted))):
+        accepted += 1
+    return drafts[:accepted] + [target[accepted]]
+
+
+def rows_short_of_min_tokens(meta: SamplingMeta, rows: int) -> int:
+    """How many of a request's next `rows` output positions are still short of min_tokens (EOS and stop
+    tokens banned there)."""
+    return max(0, min(rows, meta.params.min_tokens - len(meta.output_token_ids)))
+
+
 def _close_enough(row: torch.Tensor, draft: int, top_n: int, delta: float) -> bool:
     probs = torch.softmax(row.float(), dim=-1)
     top = torch.topk(probs, min(top_n, probs.numel()))
@@ -60,10 +71,9 @@ def _close_enough(row: torch.Tensor, draft: int, top_n: int, delta: float) -> bo
 def _min_tokens_masked(logits: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
     """Row i is the request's output token number len(outputs) + i: while that is short of min_tokens, EOS
     and the stop tokens are banned there, as the sampler bans them one token at a time."""
-    params, done = meta.params, len(meta.output_token_ids)
-    banned = [*meta.eos_token_ids, *params.stop_token_ids]
-    rows = min(logits.shape[0], params.min_tokens - done)
-    if not banned or rows <= 0:
+    banned = [*meta.eos_token_ids, *meta.params.stop_token_ids]
+    rows = rows_short_of_min_tokens(meta, logits.shape[0])
+    if not banned or rows == 0:
         return logits
     logits = logits.clone()
     logits[:rows, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")

@@ -16,7 +16,7 @@ from tokenmill.layers.attention import get_backend
 from tokenmill.layers.quantize import load_and_quantize, load_prequantized
 from tokenmill.models.registry import get_model_class
 from tokenmill.platforms import Platform, building
-from tokenmill.sample.rejection import verify
+from tokenmill.sample.rejection import accept_greedy, rows_short_of_min_tokens, verify
 from tokenmill.sample.sampler import Sampler, SamplingMeta, argmax_bans
 from tokenmill.spec.drafter import DRAFTERS, DraftStep, make_drafter
 from tokenmill.worker.input_batch import StepInputs, build_step_inputs
@@ -242,19 +242,15 @@ class ModelRunner:
             return None
         row_bans = []
         for meta, banned, n in zip(metas, bans, num_rows):
-            short = meta.params.min_tokens - len(meta.output_token_ids)      # rows still short of min_tokens
-            row_bans += [banned if i < short else [] for i in range(n)]
+            short = rows_short_of_min_tokens(meta, n)
+            row_bans += [banned] * short + [[]] * (n - short)
         tokens = self.greedy_head(hidden, row_bans)
         if bool((tokens < 0).any()):
             return None
         tokens, sampled, row = tokens.tolist(), {}, 0
         for sr, n in zip(scheduled, num_rows):
-            target = tokens[row:row + n]
             drafts = list(sr.token_ids[sr.num_new_tokens - sr.num_draft_tokens:]) if n > 1 else []
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                accepted += 1
-            sampled[sr.request_id] = drafts[:accepted] + [target[accepted]]
+            sampled[sr.request_id] = accept_greedy(drafts, tokens[row:row + n])
             row += n
         return RunnerOutput(sampled)
 
