@@ -222,11 +222,9 @@ def searched_scales(w: torch.Tensor, hessian: torch.Tensor, strategy: str, candi
 def _group_errors(e: torch.Tensor, h: torch.Tensor, strategy: str) -> torch.Tensor:
     """Output error of the error e [N, K] per scale group: [1] (tensor), [N] (rows: exact, the error is
     the sum of e_r H e_r^T), [ceil(N/128), ceil(K/128)] (blocks: each block's columns' own H)."""
-    rows = ((e @ h) * e).sum(dim=1)
-    if strategy == "tensor":
-        return rows.sum().reshape(1)
-    if strategy == "channel":
-        return rows
+    if strategy != "block":
+        rows = ((e @ h) * e).sum(dim=1)
+        return rows if strategy == "channel" else rows.sum().reshape(1)
     n, k = e.shape
     out = torch.zeros(-(-n // BLOCK), -(-k // BLOCK), dtype=e.dtype)
     for j in range(out.shape[1]):

@@ -151,22 +151,26 @@ def mtp_weights(config, target):
     return weights
 
 
+def _head_meta(path: str) -> dict:
+    """A train-mtp head's mtp_config.json ({} where there is none)."""
+    meta_path = os.path.join(path, HEAD_CONFIG)
+    return json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+
+
 def _head_vocab(config) -> tuple[torch.Tensor | None, int | None]:
     """A train-mtp head's token counts and default draft vocabulary size (None, None: none recorded)."""
     path = config.speculative.model
     if not path:
         return None, None
-    meta_path = os.path.join(path, HEAD_CONFIG)
-    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
-    return read_token_counts(path), meta.get("draft_vocab_size")
+    return read_token_counts(path), _head_meta(path).get("draft_vocab_size")
 
 
 def _head_weights(path: str, architecture: str):
     from safetensors.torch import load_file
-    meta_path, file = os.path.join(path, HEAD_CONFIG), os.path.join(path, HEAD_FILE)
+    file = os.path.join(path, HEAD_FILE)
     if not os.path.isfile(file):
         raise ValueError(f"speculative_config model {path!r}: no {HEAD_FILE} there (made by `tokenmill train-mtp`)")
-    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    meta = _head_meta(path)
     if meta.get("architecture", architecture) != architecture:
         raise ValueError(f"MTP head {path!r} was trained for {meta['architecture']}, the model is {architecture}")
     return load_file(file).items()
