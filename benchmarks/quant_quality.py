@@ -10,7 +10,7 @@ kernels on both):
 The documents (--text): `test` is tests/quant/data/ppl_text.txt alone (about 700 tokens; the test reads it);
 `full` (the default) adds benchmarks/data/ppl_documents.txt (eleven documents of other kinds: narrative,
 expository, dialogue, technical, news, a letter, a manual, a match report, an interview, a diary), written for
-this project: 6,359 tokens scored in all (2,918 before stop 39's six documents).
+this project: 6,359 tokens scored in all.
 Beside each rise: its 95% interval, from the per-token NLL differences against fp32's one pass taken in
 blocks of BLOCK tokens (block means, so that neighbouring tokens' correlation is counted), and the mean
 KL(fp32 || mode) of the next-token distributions in nats per token (llama.cpp's --kl-divergence measure).
