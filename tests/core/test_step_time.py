@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tokenmill.core.messages import ScheduledRequest, SchedulerOutput
-from tokenmill.core.step_time import StepFeatures, StepTimeModel, chunk_features, step_features
+from tokenmill.core.step_time import PER_OP, DecodeRows, StepFeatures, StepTimeModel, chunk_features, step_features
 from tokenmill.sampling_params import SamplingParams
 
 COSTS = {"intercept": 0.012, "per_decode_row": 0.004, "per_prefill_token": 0.0015, "per_context_read": 2e-7}
@@ -21,6 +21,37 @@ def test_features_count_decode_rows_prefill_tokens_and_attention_reads():
     f = step_features(out)
     assert f == StepFeatures(decode_rows=2, prefill_tokens=7, context_reads=100 + 11 + (1 + 2 + 3 + 4) + (9 + 10 + 11))
     assert chunk_features(5, 1) == StepFeatures(1, 0, 6)
+
+
+def test_verify_tokens_are_decode_rows_only_in_steps_the_fused_program_takes():
+    """Under DecodeRows(17, 8) a step of decodes and verifies (<= 17 tokens each, after a cached context,
+    <= 8 rows) is all decode rows; a prefill (start 0), an 18-token chunk or a 9th row sends the whole step
+    per op, where only single tokens are rows. PER_OP never makes a verify rows."""
+    fused = DecodeRows(max_query_len=17, max_rows=8)
+    verify = SchedulerOutput([_sr(40, 1), _sr(20, 5)])
+    reads = 41 + 5 * 20 + 15
+    assert step_features(verify, fused) == StepFeatures(6, 0, reads)
+    assert step_features(verify) == step_features(verify, PER_OP) == StepFeatures(1, 5, reads)
+    with_prefill = SchedulerOutput([_sr(40, 1), _sr(20, 5), _sr(0, 3)])
+    assert step_features(with_prefill, fused) == StepFeatures(1, 8, reads + 6)
+    too_long = SchedulerOutput([_sr(40, 1), _sr(20, 18)])
+    assert step_features(too_long, fused).prefill_tokens == 18
+    too_many = SchedulerOutput([_sr(40, 1), _sr(20, 5), _sr(30, 3)])
+    assert step_features(too_many, fused) == StepFeatures(1, 8, reads + 3 * 30 + 6)
+    assert step_features(SchedulerOutput([_sr(9, 1), _sr(3, 1)]), fused) == StepFeatures(2, 0, 14)
+    one_token_prompt = SchedulerOutput([_sr(0, 1), _sr(20, 5)])       # its first chunk: a prefill step
+    assert step_features(one_token_prompt, fused) == StepFeatures(1, 5, 1 + 115)
+    assert chunk_features(20, 5, fused) == StepFeatures(5, 0, 115)
+    assert chunk_features(0, 5, fused) == StepFeatures(0, 5, 15)
+    assert chunk_features(20, 18, fused) == StepFeatures(0, 18, 18 * 20 + 171)
+
+
+def test_a_model_prices_chunks_under_its_decode_rows():
+    per_op, fused = StepTimeModel(prior=COSTS), StepTimeModel(prior=COSTS, rows=DecodeRows(17, 64))
+    assert fused.chunk_marginal(50, 5) == pytest.approx(5 * COSTS["per_decode_row"] + 265 * 2e-7)
+    assert per_op.chunk_marginal(50, 5) == pytest.approx(5 * COSTS["per_prefill_token"] + 265 * 2e-7)
+    assert fused.step_features(SchedulerOutput([_sr(50, 5)])) == StepFeatures(5, 0, 265)
+    assert fused.describe()["decode_rows"] == {"max_query_len": 17, "max_rows": 64}
 
 
 def _shapes(rng):

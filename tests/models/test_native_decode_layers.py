@@ -160,3 +160,47 @@ def test_the_program_leaves_prefills_and_long_verify_steps_to_the_per_op_path(ti
     assert lens.tolist() == [11, 12, 13, 7]
     assert slots.shape == (4, 13) and slots[0, :11].tolist() == slots[2, :11].tolist()
     assert slots[3, :7].tolist() == [4 + i for i in range(7)]      # block 1's slots 4..7, then block 2's
+
+
+def test_the_step_time_models_decode_rows_are_the_steps_the_program_takes(tiny_model_factory):
+    """The engine's step-time model counts a step's multi-token chunks as decode rows exactly when the
+    program runs the step (core/step_time.py DecodeRows, from the program's max_query_len and max_rows)."""
+    from tokenmill.core.messages import ScheduledRequest, SchedulerOutput
+    from tokenmill.core.step_time import DecodeRows, step_features
+    from tokenmill.worker.input_batch import build_attention_metadata
+    llm = LLM(tiny_model_factory("llama"), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22, block_size=4)
+    program, rules = llm.engine.core.runner.fused_decode, llm.engine.core.decode_rows
+    assert rules == DecodeRows(program.max_query_len, program.max_rows) == llm.engine.core.step_model.rows
+    rng, blocks = random.Random(3), list(range(1, 40))
+    for _ in range(300):
+        reqs = [(rng.choice([0, rng.randrange(1, 60)]), rng.choice([1, 1, rng.randrange(2, 21)]))
+                for _ in range(rng.randrange(1, 6))]
+        if all(n == 1 for _, n in reqs):
+            continue                                  # single tokens are decode rows on either path
+        out = SchedulerOutput([ScheduledRequest("r", [1] * n, s, [0], True, SamplingParams(), [], [], ())
+                               for s, n in reqs])
+        as_rows = step_features(out, rules).prefill_tokens == 0
+        assert as_rows == program.takes(build_attention_metadata([(blocks, s, n) for s, n in reqs], 4)), reqs
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_verify_steps_reach_the_step_time_model_as_the_platform_runs_them(tiny_model_factory, native):
+    """With the program, a verify step is observed as 1 + k decode rows a request; without it, as prefill
+    tokens beside nothing else."""
+    from tokenmill.core.step_time import PER_OP
+    llm = LLM(tiny_model_factory("llama"), native_decode_layers=native, enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 23, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    core, seen = llm.engine.core, []
+    observe = core.step_model.observe
+    core.step_model.observe = lambda f, s: (seen.append(f), observe(f, s))
+    llm.generate(SPEC_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert (core.decode_rows != PER_OP) == native
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    if native:                                        # 2 requests: more than 2 rows is a verify step
+        verify = [f for f in seen if f.decode_rows > 2]
+        assert core.runner.fused_decode.verify_steps > 0 and verify
+        assert all(f.prefill_tokens == 0 for f in verify)
+    else:                                             # prompts of 19 and 28: chunks of <= 10 are verifies
+        verify = [f for f in seen if 0 < f.prefill_tokens <= 10]
+        assert verify and all(f.decode_rows <= 2 for f in seen)

@@ -52,6 +52,7 @@ def test_speculation_through_the_mp_executor(tiny_model_factory):
     llm = _llm(model, SPEC, distributed_executor_backend="mp")
     try:
         assert _tokens(llm) == plain
+        assert llm.engine.core.decode_rows == _llm(model, SPEC).engine.core.decode_rows     # the worker's rows
     finally:
         llm.shutdown()
 

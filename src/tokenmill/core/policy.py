@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.request import Request
-from tokenmill.core.step_time import StepTimeModel, chunk_features
+from tokenmill.core.step_time import StepTimeModel
 
 if TYPE_CHECKING:
     from tokenmill.core.scheduler import Scheduler
@@ -48,7 +48,7 @@ class StepBudget:
         self.tokens -= n
         self.prefill_granted |= n > 1
         if self.model is not None:
-            self.seconds -= self.model.marginal(chunk_features(start_position, n))
+            self.seconds -= self.model.chunk_marginal(start_position, n)
         return n
 
     def grant_drafts(self, start_position: int, wanted: int) -> int:
@@ -59,11 +59,11 @@ class StepBudget:
         if n <= 0:
             return 0
         if self.model is not None:
-            one = self.model.marginal(chunk_features(start_position, 1))
+            one = self.model.chunk_marginal(start_position, 1)
             if math.isfinite(self.seconds):
                 n = max(self.model.max_chunk(start_position, 1 + n, self.seconds + one) - 1, 0)
             if n:
-                self.seconds -= self.model.marginal(chunk_features(start_position, 1 + n)) - one
+                self.seconds -= self.model.chunk_marginal(start_position, 1 + n) - one
         self.tokens -= n
         return n
 
@@ -71,14 +71,14 @@ class StepBudget:
         """Give back a grant_drafts that was not scheduled (no KV slots for it)."""
         self.tokens += n
         if self.model is not None and n:
-            self.seconds += self.model.marginal(chunk_features(start_position, 1 + n)) - \
-                self.model.marginal(chunk_features(start_position, 1))
+            self.seconds += self.model.chunk_marginal(start_position, 1 + n) - \
+                self.model.chunk_marginal(start_position, 1)
 
     def refund(self, start_position: int, n: int) -> None:
         """Give back a grant that was not scheduled (its request was preempted instead)."""
         self.tokens += n
         if self.model is not None:
-            self.seconds += self.model.marginal(chunk_features(start_position, n))
+            self.seconds += self.model.chunk_marginal(start_position, n)
 
 
 class SchedulingPolicy:

@@ -34,7 +34,7 @@ from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
 from tokenmill.core.output_length import OutputLengths
 from tokenmill.core.policy import FCFSPolicy, StepBudget, register_policy
 from tokenmill.core.request import FinishReason, Request
-from tokenmill.core.step_time import StepFeatures, chunk_features
+from tokenmill.core.step_time import StepFeatures
 
 if TYPE_CHECKING:
     from tokenmill.core.scheduler import Scheduler
@@ -158,8 +158,8 @@ class SLOPolicy(FCFSPolicy):
         common to all, so it drops out). Stable: equal slack keeps arrival order."""
         if len(waiting) > 1:
             model = scheduler.step_model
-            ranked = sorted(waiting, key=lambda r: _deadline(r, self.config) - model.marginal(
-                chunk_features(0, r.num_tokens)))
+            ranked = sorted(waiting, key=lambda r: _deadline(r, self.config) - model.chunk_marginal(
+                0, r.num_tokens))
             waiting.clear()
             waiting.extend(ranked)
 

@@ -3,8 +3,11 @@
     step_s = intercept + per_decode_row * decode_rows + per_prefill_token * prefill_tokens
              + per_context_read * context_reads
 
-- decode_rows: scheduled requests computing exactly one new token (a decode);
-- prefill_tokens: new tokens of every other scheduled request (prefill chunks; later, draft tokens);
+- decode_rows: new tokens computed as decode rows: a request's one new token (a decode), and, in a step the
+  platform's fused decode program runs, each of a request's few new tokens after its cached context (a
+  speculative verify of 1 + k tokens is 1 + k rows there: DecodeRows says which steps those are);
+- prefill_tokens: new tokens of every other scheduled request (prefill chunks; verify tokens in a step that
+  runs per op);
 - context_reads: (query token, cached key) pairs attention reads, sum over every new token of its position + 1
   (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2).
 
@@ -37,26 +40,51 @@ class StepFeatures:
         return np.array([1.0, self.decode_rows, self.prefill_tokens, self.context_reads]) * _SCALE
 
 
-def chunk_features(start_position: int, num_new_tokens: int) -> StepFeatures:
-    """What computing num_new_tokens from start_position adds to a step."""
+@dataclass(frozen=True)
+class DecodeRows:
+    """Which steps compute a request's several new tokens as decode rows, one row a token: those the
+    platform's fused decode program takes (platforms/cpu_decode.py), where every request brings
+    1..max_query_len new tokens after a context already cached (start position >= 1, single tokens
+    included) and there are at most max_rows new tokens in all. Any other step runs per op: a request's one
+    new token is a decode row there, longer chunks (a prefill, a verify) are prefill tokens. max_query_len 1 (the default): no such program,
+    or one for plain decodes only (CUDA graphs), so only single tokens are rows."""
+    max_query_len: int = 1
+    max_rows: int = 0                 # with max_query_len > 1: the program's most rows a step
+
+    def takes(self, start_position: int, num_new_tokens: int) -> bool:
+        """One request's chunk may be decode rows (its step must qualify as a whole, see step_features)."""
+        return num_new_tokens == 1 or (num_new_tokens <= self.max_query_len and start_position >= 1)
+
+
+PER_OP = DecodeRows()
+
+
+def chunk_features(start_position: int, num_new_tokens: int, rows: DecodeRows = PER_OP) -> StepFeatures:
+    """What computing num_new_tokens from start_position adds to a step: decode rows where `rows` takes the
+    chunk (as if the rest of its step qualified too), else prefill tokens."""
     n, s = num_new_tokens, start_position
     reads = n * s + n * (n + 1) // 2
-    if n == 1:
-        return StepFeatures(decode_rows=1, context_reads=reads)
+    if rows.takes(s, n):
+        return StepFeatures(decode_rows=n, context_reads=reads)
     return StepFeatures(prefill_tokens=n, context_reads=reads)
 
 
-def step_features(sched_out: SchedulerOutput) -> StepFeatures:
-    """The sum of chunk_features over the step (one pass, no per-request objects: it runs every step)."""
-    rows = prefill = reads = 0
+def step_features(sched_out: SchedulerOutput, rows: DecodeRows = PER_OP) -> StepFeatures:
+    """The step's features (one pass, no per-request objects: it runs every step). Every new token is a
+    decode row where the fused decode program takes the whole step; otherwise only single ones are."""
+    singles = multi = reads = 0
+    fused = rows.max_query_len > 1
     for sr in sched_out.scheduled:
         n, s = len(sr.token_ids), sr.start_position
         reads += n * s + n * (n + 1) // 2
         if n == 1:
-            rows += 1
+            singles += 1
         else:
-            prefill += n
-    return StepFeatures(rows, prefill, reads)
+            multi += n
+        fused = fused and n <= rows.max_query_len and s >= 1     # a first chunk, even of 1 token, is a prefill
+    if fused and multi and singles + multi <= rows.max_rows:
+        return StepFeatures(singles + multi, 0, reads)
+    return StepFeatures(singles, multi, reads)
 
 
 class StepTimeModel:
@@ -67,10 +95,11 @@ class StepTimeModel:
     """
 
     def __init__(self, prior: dict[str, float] | None = None, decay: float = 0.995,
-                 prior_weight: float = 4.0) -> None:
+                 prior_weight: float = 4.0, rows: DecodeRows = PER_OP) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay, self.prior_weight = decay, prior_weight
+        self.rows = rows                           # which new tokens the engine's platform runs as decode rows
         self._gram = np.zeros((4, 4))              # sum of w * x x^T
         self._moment = np.zeros(4)                 # sum of w * x y
         self.num_observations = 0
@@ -139,6 +168,19 @@ class StepTimeModel:
         """Predicted step time in seconds (>= 0)."""
         return max(float(features.vector() @ self.theta), 0.0)
 
+    def chunk_features(self, start_position: int, num_new_tokens: int) -> StepFeatures:
+        """chunk_features under this model's DecodeRows."""
+        return chunk_features(start_position, num_new_tokens, self.rows)
+
+    def step_features(self, sched_out: SchedulerOutput) -> StepFeatures:
+        """step_features under this model's DecodeRows."""
+        return step_features(sched_out, self.rows)
+
+    def chunk_marginal(self, start_position: int, num_new_tokens: int) -> float:
+        """The marginal time of computing num_new_tokens from start_position (in a step that qualifies for
+        the fused decode program where the chunk does: what a budget charges before the step is whole)."""
+        return self.marginal(self.chunk_features(start_position, num_new_tokens))
+
     def marginal(self, features: StepFeatures) -> float:
         """Predicted time this work adds to a step that already runs (the intercept excluded)."""
         x = features.vector()
@@ -149,12 +191,14 @@ class StepTimeModel:
         """The most new tokens (<= remaining) from start_position whose marginal time fits in seconds."""
         if remaining <= 0 or seconds <= 0:
             return 0
-        if self.marginal(chunk_features(start_position, remaining)) <= seconds:
+        if self.chunk_marginal(start_position, remaining) <= seconds:
             return remaining
-        lo, hi = 0, remaining                      # marginal time grows with the chunk: bisect
+        # marginal time grows with the chunk, save where it crosses from decode rows to prefill tokens
+        # (DecodeRows.max_query_len): bisect, which there may find a fitting count short of the largest
+        lo, hi = 0, remaining
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.marginal(chunk_features(start_position, mid)) <= seconds else (lo, mid)
+            lo, hi = (mid, hi) if self.chunk_marginal(start_position, mid) <= seconds else (lo, mid)
         return lo
 
     def describe(self) -> dict:
@@ -164,6 +208,7 @@ class StepTimeModel:
                 "per_prefill_token_ms": 1e3 * c["per_prefill_token"],
                 "per_1k_context_reads_ms": 1e6 * c["per_context_read"],
                 "observations": self.num_observations, "prior": dict(self.prior),
+                "decode_rows": {"max_query_len": self.rows.max_query_len, "max_rows": self.rows.max_rows},
                 "coefficients": self.coefficients}
 
 

@@ -18,7 +18,7 @@ from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.spec_stats import SpecDecodeStats
-from tokenmill.core.step_time import StepFeatures, StepTimeModel, step_features
+from tokenmill.core.step_time import StepFeatures, StepTimeModel
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
 from tokenmill.sample.rejection import speculation_applies
@@ -93,11 +93,13 @@ class EngineCore:
             num_blocks = config.cache.num_blocks or self.executor.num_kv_blocks()
             self.config = config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
             self.executor.bind_kv_cache(num_blocks)
+            self.decode_rows = self.executor.decode_rows()
         except BaseException:
             self.executor.shutdown()
             raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.step_model = StepTimeModel()          # fed by every executed step (seconds per step period)
+        # fed by every executed step (seconds per step period), its features as the platform computes them
+        self.step_model = StepTimeModel(rows=self.decode_rows)
         self._open_period: OpenPeriod | None = None
         self.expert_tokens: list[int] | None = None    # MoE models: summed RunnerOutput.expert_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy),
@@ -117,6 +119,8 @@ class EngineCore:
         self.executor.shutdown()
 
     def replace_step_model(self, model: StepTimeModel) -> None:
+        """Use `model` from now on, its features as this engine's platform computes them."""
+        model.rows = self.decode_rows
         self.step_model = self.scheduler.step_model = model
 
     def add_request(self, request: Request) -> None:
@@ -147,7 +151,7 @@ class EngineCore:
         if self.proposer is not None:
             sample = self._propose(sched_out, produced, runner_out.draft_token_ids)
         if not runner_out.failed:                      # a bisected step's time describes no normal step
-            self._open_or_observe(OpenPeriod(step_features(sched_out), t0, sample), seconds)
+            self._open_or_observe(OpenPeriod(self.step_model.step_features(sched_out), t0, sample), seconds)
         return [CoreUpdate(req, ids, runner_out.logprobs.get(req.request_id, []),
                            runner_out.failed.get(req.request_id)) for req, ids in produced]
 

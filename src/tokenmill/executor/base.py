@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
+from tokenmill.core.step_time import DecodeRows
+
+
+def narrowest(rules: list[DecodeRows]) -> DecodeRows:
+    """The steps every rank computes as decode rows."""
+    return DecodeRows(min(r.max_query_len for r in rules), min(r.max_rows for r in rules))
 
 
 class ExecutorFailed(RuntimeError):
@@ -21,6 +27,11 @@ class Executor:
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy as computed with (after any quantization), summed over the ranks."""
+        raise NotImplementedError
+
+    def decode_rows(self) -> DecodeRows:
+        """Which steps the ranks compute as decode rows (core/step_time.py), after bind_kv_cache: the
+        narrowest of the ranks' (they run each step together)."""
         raise NotImplementedError
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:

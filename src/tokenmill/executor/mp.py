@@ -19,7 +19,8 @@ import time
 import torch
 
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor, ExecutorFailed
+from tokenmill.core.step_time import DecodeRows
+from tokenmill.executor.base import Executor, ExecutorFailed, narrowest
 from tokenmill.executor.messages import DeltaEncoder
 from tokenmill.worker.worker import WorkerSpec, worker_main
 
@@ -86,6 +87,9 @@ class MultiprocExecutor(Executor):
 
     def weight_bytes(self) -> int:
         return sum(self._command(("weight_bytes",)))
+
+    def decode_rows(self) -> DecodeRows:
+        return narrowest(self._command(("decode_rows",)))
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         results = self._command(("step", self.encoder.encode(sched_out)))

@@ -14,7 +14,8 @@ import logging
 import torch
 
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor, ExecutorFailed
+from tokenmill.core.step_time import DecodeRows
+from tokenmill.executor.base import Executor, ExecutorFailed, narrowest
 from tokenmill.executor.messages import DeltaEncoder
 from tokenmill.worker.worker import WorkerSpec
 
@@ -96,6 +97,9 @@ class RayExecutor(Executor):
 
     def weight_bytes(self) -> int:
         return sum(self._call("weight_bytes"))
+
+    def decode_rows(self) -> DecodeRows:
+        return narrowest(self._call("decode_rows"))
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         import ray

@@ -24,5 +24,8 @@ class UniExecutor(Executor):
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes()
 
+    def decode_rows(self):
+        return self.runner.decode_rows()
+
     def execute(self, sched_out):
         return self.runner.execute(sched_out)

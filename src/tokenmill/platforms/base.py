@@ -69,7 +69,8 @@ class Platform:
         """A program that runs whole decode steps of `model` (models/base.py CausalLM, its KV cache of
         num_blocks + scratch_blocks blocks bound) faster than its per-op forward, or None: the runner then
         calls the model. Interface: takes(meta) -> bool; (input_ids, positions, meta, keep_rows) -> hidden,
-        the model's forward's result, from the step's host tensors."""
+        the model's forward's result, from the step's host tensors; max_query_len and max_rows, what it
+        takes (core/step_time.py DecodeRows: the step-time model's features follow them)."""
         return None
 
     def mla_backend_name(self) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.step_time import StepFeatures, StepTimeModel, chunk_features
+from tokenmill.core.step_time import StepFeatures, StepTimeModel
 
 
 @dataclass
@@ -97,6 +97,6 @@ class AdaptiveDraftLength:
             return m.tokens / m.seconds
         rows = prefill = reads = 0
         for p in positions:
-            f = chunk_features(p, 1 + k)
+            f = model.chunk_features(p, 1 + k)
             rows, prefill, reads = rows + f.decode_rows, prefill + f.prefill_tokens, reads + f.context_reads
         return len(positions) * self.expected_tokens(k) / max(model.predict(StepFeatures(rows, prefill, reads)), 1e-9)

@@ -33,11 +33,13 @@ class CUDAGraphDecode:
     """takes(meta) / __call__(input_ids, positions, meta, keep_rows): the interface of a fused decode
     program (worker/model_runner.py), for decode-only steps of up to `max_batch` rows."""
 
+    max_query_len = 1                 # a graph's rows are single-token decodes (a verify step runs eagerly)
+
     def __init__(self, model, device: torch.device, block_size: int, max_blocks_per_seq: int,
                  scratch_block: int, max_batch: int) -> None:
         self.model, self.device, self.block_size = model, device, block_size
         self.buckets = graph_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self.max_batch = self.max_rows = self.buckets[-1]
         self.max_blocks = max_blocks_per_seq
         self.scratch_block = scratch_block
         n, w = self.max_batch, max_blocks_per_seq

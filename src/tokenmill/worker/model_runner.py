@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
+from tokenmill.core.step_time import PER_OP, DecodeRows
 from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.quantize import load_and_quantize, load_prequantized
@@ -114,6 +115,14 @@ class ModelRunner:
                               f"({need / 2**30:.2f} GiB for {num_blocks} blocks of {self.block_size} tokens). "
                               "Lower --gpu-memory-utilization or set --kv-cache-memory-bytes") from None
         self.fused_decode = self.platform.fused_decode(self.model, self.config, num_blocks)
+
+    def decode_rows(self) -> DecodeRows:
+        """Which steps the fused decode program (bound with the KV cache) computes as decode rows, for the
+        step-time model's features (core/step_time.py); PER_OP where there is no program."""
+        program = self.fused_decode
+        if program is None:
+            return PER_OP
+        return DecodeRows(program.max_query_len, program.max_rows)
 
     def _kv_scales(self, layer, spec):
         """An FP8 cache's scales for one layer: the checkpoint's, else calibrated on its first tokens."""

@@ -5,6 +5,7 @@ the engine sends.
 Protocol over one duplex pipe: the worker sends ("ready", None) or ("error", message) once started; then
 answers each command with ("ok", result) or ("error", message):
     ("num_kv_blocks",) -> int       ("bind_kv_cache", n) -> None       ("weight_bytes",) -> int
+    ("decode_rows",) -> DecodeRows (after bind_kv_cache)
     ("step", StepDelta) -> RunnerOutput on rank 0, None elsewhere       ("shutdown",) -> exits
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ class RankWorker:
             return self.runner.bind_kv_cache(args[0])
         if command == "weight_bytes":
             return self.runner.weight_bytes()
+        if command == "decode_rows":
+            return self.runner.decode_rows()
         raise ValueError(f"unknown worker command {command!r}")
 
 
