@@ -36,6 +36,20 @@ def test_coordinate_search_finds_the_best_setting_and_measures_each_once():
     assert any(t.error for t in result.trials) and not result.stopped_early
 
 
+def test_a_knob_with_dict_values_is_searched_and_measured_once_each():
+    """speculative_config's values are dicts (unhashable): each is still measured once."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    calls = []
+
+    def measure(s: dict) -> Trial:
+        calls.append(s)
+        qps = 1.5 if s["speculative_config"] == ngram else 1.0
+        return Trial(s, qps, qps * 100, True, 0.0)
+    result = coordinate_search({"scheduling_policy": ["fcfs", "slo"], "speculative_config": [None, ngram]}, measure)
+    assert result.best.settings == {"scheduling_policy": "fcfs", "speculative_config": ngram}
+    assert len(calls) == 3                                 # slo+None, fcfs+None, fcfs+ngram
+
+
 def test_the_trial_cap_stops_the_search_with_the_best_so_far():
     result = coordinate_search({"scheduling_policy": ["fcfs", "slo"], "max_num_seqs": [8, 16, 64],
                                 "long_prefill_token_threshold": [0]}, _fake_measure([]), max_trials=3)
@@ -46,6 +60,15 @@ def test_the_trial_cap_stops_the_search_with_the_best_so_far():
 def test_search_space_parsing_and_its_errors():
     assert parse_space(["max_num_seqs=8,16", "num-threads=none,2", "enable_prefix_caching=false"]) == {
         "max_num_seqs": [8, 16], "num_threads": [None, 2], "enable_prefix_caching": [False]}
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    assert parse_space(['speculative_config=none, {"method": "ngram", "num_speculative_tokens": 4}',
+                        "data_parallel_size=1,2"]) == {"speculative_config": [None, ngram],
+                                                       "data_parallel_size": [1, 2]}
+    assert parse_space(['speculative_config={"method": "a,{b"}']) == {"speculative_config": [{"method": "a,{b"}]}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_space(["speculative_config={method: ngram}"])
+    with pytest.raises(ValueError, match="unbalanced"):
+        parse_space(['speculative_config={"method": "ngram"'])
     with pytest.raises(ValueError, match="not a tunable"):
         parse_space(["warp_speed=9"])
     with pytest.raises(ValueError, match="expected knob=value1,value2"):

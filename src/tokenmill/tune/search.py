@@ -7,6 +7,7 @@ values with the other knobs at the best found so far; a value already measured i
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,7 +43,8 @@ class TuneResult:
 
 
 def parse_space(specs: list[str] | None) -> dict[str, list]:
-    """`knob=v1,v2` strings over DEFAULT_SPACE (ints, floats, none, true/false, or names)."""
+    """`knob=v1,v2` strings over DEFAULT_SPACE (ints, floats, none, true/false, names, or JSON objects such
+    as speculative_config's: `speculative_config=none,{"method": "ngram", "num_speculative_tokens": 4}`)."""
     if not specs:
         return dict(DEFAULT_SPACE)
     from tokenmill.config_file import _engine_fields
@@ -54,11 +56,40 @@ def parse_space(specs: list[str] | None) -> dict[str, list]:
             raise ValueError(f"search space entry {spec!r}: expected knob=value1,value2")
         if name not in known or name in ("model", "tokenizer"):
             raise ValueError(f"search space entry {spec!r}: {name!r} is not a tunable engine argument")
-        space[name] = [_value(v.strip()) for v in values.split(",")]
+        try:
+            space[name] = [_value(v.strip()) for v in _split_values(values)]
+        except ValueError as e:
+            raise ValueError(f"search space entry {spec!r}: {e}") from None
     return space
 
 
+def _split_values(text: str) -> list[str]:
+    """Split at the commas outside JSON objects and arrays (and their strings)."""
+    parts, depth, start, quoted, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if quoted:
+            quoted = ch != '"' or escaped
+            escaped = ch == "\\" and not escaped
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth or quoted:
+        raise ValueError("unbalanced braces, brackets or quotes")
+    return parts + [text[start:]]
+
+
 def _value(text: str):
+    if text.startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{text!r} is not valid JSON ({e})") from None
     low = text.lower()
     if low in ("none", "null"):
         return None
@@ -81,7 +112,7 @@ def coordinate_search(space: dict[str, list], measure: Callable[[dict], Trial], 
     result, seen = TuneResult(None), {}
 
     def run(settings: dict) -> Trial | None:
-        key = tuple(sorted(settings.items(), key=lambda kv: kv[0]))
+        key = json.dumps(settings, sort_keys=True)          # values may be dicts (speculative_config)
         if key in seen:
             return seen[key]
         if (max_trials is not None and len(result.trials) >= max_trials) or (
