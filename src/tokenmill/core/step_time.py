@@ -46,8 +46,9 @@ class DecodeRows:
     platform's fused decode program takes (platforms/cpu_decode.py), where every request brings
     1..max_query_len new tokens after a context already cached (start position >= 1, single tokens
     included) and there are at most max_rows new tokens in all. Any other step runs per op: a request's one
-    new token is a decode row there, longer chunks (a prefill, a verify) are prefill tokens. max_query_len 1 (the default): no such program,
-    or one for plain decodes only (CUDA graphs), so only single tokens are rows."""
+    new token is a decode row there, longer chunks (a prefill, a verify) are prefill tokens. max_query_len 1
+    (the default): no such program, or one for plain decodes only (CUDA graphs), so only single tokens are
+    rows."""
     max_query_len: int = 1
     max_rows: int = 0                 # with max_query_len > 1: the program's most rows a step
 
