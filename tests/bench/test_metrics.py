@@ -121,3 +121,13 @@ def test_the_step_time_bound_of_data_parallel_replicas_is_theirs_together():
         assert two[key] == pytest.approx(2 * one[key])
     assert two["fraction_reached"] == pytest.approx(one["fraction_reached"] / 2)
     assert f"{one['rows']:.1f} decode rows per 100 ms step in each of 2 replicas" in bound_section(two)[0]
+
+
+def test_the_report_says_when_verify_tokens_count_as_decode_rows():
+    from tokenmill.bench.report import _step_model_lines
+    model = {"intercept_ms": 5.0, "per_decode_row_ms": 0.3, "per_prefill_token_ms": 0.1,
+             "per_1k_context_reads_ms": 0.01, "observations": 9}
+    assert "decode rows:" not in _step_model_lines(model)[0]
+    assert "decode rows:" not in _step_model_lines({**model, "decode_rows": {"max_query_len": 1, "max_rows": 0}})[0]
+    fused = _step_model_lines({**model, "decode_rows": {"max_query_len": 17, "max_rows": 4096}})[0]
+    assert "up to 17 new tokens" in fused and "verify steps included" in fused

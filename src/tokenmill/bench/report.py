@@ -94,7 +94,15 @@ def _step_model_lines(s: dict) -> list[str]:
     return [f"Step-time model ({s.get('policy')} policy, prior: {s.get('source')}, {s.get('observations')} steps): "
             f"{_fmt(s.get('intercept_ms'), 2)} ms + {_fmt(s.get('per_decode_row_ms'), 3)} ms/decode row + "
             f"{_fmt(s.get('per_prefill_token_ms'), 3)} ms/prefill token + "
-            f"{_fmt(s.get('per_1k_context_reads_ms'), 3)} ms/1k context reads"]
+            f"{_fmt(s.get('per_1k_context_reads_ms'), 3)} ms/1k context reads"
+            + _decode_rows_text(s.get("decode_rows"))]
+
+
+def _decode_rows_text(rows: dict | None) -> str:
+    if not rows or rows.get("max_query_len", 1) <= 1:
+        return ""
+    return (f" (a request's up to {rows['max_query_len']} new tokens after its cached context, verify steps "
+            f"included, are decode rows: the platform's fused decode program runs them)")
 
 
 def _efficiency_lines(e) -> list[str]:
