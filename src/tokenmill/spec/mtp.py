@@ -154,7 +154,10 @@ def mtp_weights(config, target):
 def _head_meta(path: str) -> dict:
     """A train-mtp head's mtp_config.json ({} where there is none)."""
     meta_path = os.path.join(path, HEAD_CONFIG)
-    return json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    if not os.path.isfile(meta_path):
+        return {}
+    with open(meta_path) as f:
+        return json.load(f)
 
 
 def _head_vocab(config) -> tuple[torch.Tensor | None, int | None]:
