@@ -1,17 +1,22 @@
 """A simulated engine for scheduling-policy tests: the real Scheduler and KV manager, a simulated clock, and
-a fake model whose step time is a known linear function of the step's features (no tensors)."""
+a fake model whose step time is a known linear function of the step's features (no tensors). With
+speculation (SimSpeculation), every decoding request drafts k tokens a step (k chosen each step by the
+engine's adaptive draft length, or fixed) and each draft is accepted with probability alpha, in order, until
+the first rejection."""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.decode_yield import DecodeYieldMeter
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput
 from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.step_time import StepTimeModel, step_features
+from tokenmill.core.step_time import PER_OP, DecodeRows, StepTimeModel, step_features
+from tokenmill.spec.adaptive import AdaptiveDraftLength
 from tokenmill.sampling_params import SamplingParams
 
 # seconds per unit: the fake model's true costs
@@ -26,6 +31,15 @@ class Arrival:
     ttft_target_ms: float | None = 2000.0
     tpot_target_ms: float | None = 50.0
     max_tokens: int | None = None     # None: exactly output_len tokens (ignore_eos); else EOS after output_len
+
+
+@dataclass(frozen=True)
+class SimSpeculation:
+    k: int                            # drafts a decoding request brings each step (fewer near max_tokens)
+    alpha: float                      # each draft's acceptance probability, given the ones before it
+    seed: int = 0
+    adaptive: bool = True             # k per step by spec/adaptive.py (False: always k)
+    measure_yield: bool = True        # False: the scheduler measures no decode yield (policies assume PLAIN)
 
 
 @dataclass
@@ -59,23 +73,53 @@ def poisson_arrivals(qps: float, n: int, prompt_len: int, output_len: int, seed:
 EOS = 2
 
 
-def _token(r: Request, output_len: int) -> int:
-    """The fake model's next token: EOS as r's output_len-th token, 5 before."""
-    return EOS if r.num_output_tokens + 1 >= output_len else 5
-
-
 def true_step_s(features, costs=TRUE_COSTS) -> float:
     return StepTimeModel(prior=costs).predict(features)
 
 
+def _propose(s: Scheduler, k: int) -> None:
+    """Up to k drafts for each running request whose next step is a decode (as EngineCore._propose gives
+    them)."""
+    for r in s.running:
+        room = min(k, r.max_tokens - r.num_output_tokens - 1)
+        decoding = r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1
+        r.spec_token_ids = [5] * room if decoding and room > 0 else []
+
+
+def _observe_speculation(adaptive: AdaptiveDraftLength, out, produced, k: int, seconds: float) -> None:
+    """What EngineCore feeds the adaptive draft length: each drafted request's acceptance, and the step's
+    tokens and seconds when it was all decodes."""
+    for sr in out.scheduled:
+        if sr.num_draft_tokens:
+            adaptive.observe_request(sr.num_draft_tokens, produced[sr.request_id] - 1)
+    if all(sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.output_token_ids for sr in out.scheduled):
+        adaptive.observe_step(k, len(out.scheduled), seconds, sum(produced.values()))
+
+
+def _sampled(r: Request, output_len: int, num_drafts: int, spec: SimSpeculation | None, rng) -> list[int]:
+    """The fake model's tokens for r's step: 1 + its accepted drafts, EOS as its output_len-th token."""
+    accepted = 0
+    while accepted < num_drafts and rng.random() < spec.alpha:
+        accepted += 1
+    n = r.num_output_tokens
+    return [EOS if n + j + 1 >= output_len else 5 for j in range(accepted + 1)]
+
+
 def simulate(arrivals: list[Arrival], policy: "str | SchedulingPolicy", max_num_seqs: int = 256, budget: int = 2048,
              num_blocks: int = 4096, block_size: int = 16, prior: dict | None = TRUE_COSTS,
-             costs: dict = TRUE_COSTS, max_steps: int = 200_000) -> SimResult:
+             costs: dict = TRUE_COSTS, max_steps: int = 200_000, speculation: SimSpeculation | None = None,
+             rows: DecodeRows = PER_OP) -> SimResult:
+    """rows: which steps the fake platform runs as decode rows (its costs and the policy's model both)."""
     clock = [0.0]
-    model = StepTimeModel(prior=prior)
+    model = StepTimeModel(prior=prior, rows=rows)
     s = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=1 << 16),
                   KVCacheManager(num_blocks, block_size, False), make_policy(policy) if isinstance(policy, str) else policy, model,
                   clock=lambda: clock[0])
+    if speculation is not None and speculation.measure_yield:
+        s.decode_yield = DecodeYieldMeter()
+    rng = random.Random(speculation.seed if speculation else 0)
+    adaptive = AdaptiveDraftLength(speculation.k) if speculation is not None and speculation.adaptive else None
+    k = speculation.k if speculation is not None else 0
     res, pending = SimResult(), sorted(arrivals, key=lambda a: a.time_s)
     first, last, reqs, lengths = {}, {}, {}, {}
     i = 0
@@ -99,13 +143,22 @@ def simulate(arrivals: list[Arrival], policy: "str | SchedulingPolicy", max_num_
                 break
             clock[0] = pending[i].time_s                  # idle until the next arrival
             continue
+        if speculation is not None:
+            if adaptive is not None:
+                k = adaptive.choose(model, [r.num_tokens - 1 for r in s.running
+                                            if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1])
+            _propose(s, k)
         out = s.schedule()
-        dt = true_step_s(step_features(out), costs)
+        features = step_features(out, rows)
+        dt = true_step_s(features, costs)
         clock[0] += dt
         res.step_times_s.append(dt)
-        model.observe(step_features(out), dt)
-        s.update(out, RunnerOutput({sr.request_id: [_token(reqs[sr.request_id], lengths[sr.request_id])]
-                                    for sr in out.scheduled if sr.sample}))
+        model.observe(features, dt)
+        sampled = {sr.request_id: _sampled(reqs[sr.request_id], lengths[sr.request_id], sr.num_draft_tokens,
+                                           speculation, rng) for sr in out.scheduled if sr.sample}
+        if adaptive is not None:
+            _observe_speculation(adaptive, out, {rid: len(ids) for rid, ids in sampled.items()}, k, dt)
+        s.update(out, RunnerOutput(sampled))
         for sr in out.scheduled:
             r = reqs[sr.request_id]
             if sr.sample:

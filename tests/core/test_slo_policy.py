@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .slo_sim import TRUE_COSTS, Arrival, poisson_arrivals, simulate, true_step_s
+from .slo_sim import TRUE_COSTS, Arrival, SimSpeculation, poisson_arrivals, simulate, true_step_s
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.output_length import OutputLengths
@@ -266,3 +266,17 @@ def test_a_prefill_near_its_ttft_deadline_takes_its_whole_chunk_past_the_limit()
     assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 16}
     clock[0] = 0.8                                  # past 3/4: its TTFT is at stake, the prefill goes ahead
     assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 600 - 16}
+
+
+@pytest.mark.parametrize("seed", [6, 8])
+def test_with_speculation_tpot_is_forecast_per_output_token(seed):
+    """Drafts accepted 80% of the time, 4 a step (adaptive k): a step yields about 3 tokens a request. A
+    policy that measures the yield plans TPOT per output token and holds both limits; one that plans a
+    token a step (the decode yield unmeasured) keeps the batch too small, and the queue's TTFT pressure
+    then admits past the TPOT limit."""
+    arrivals = poisson_arrivals(7.0, 200, 64, 32, seed=seed)
+    measured = simulate(arrivals, "slo", speculation=SimSpeculation(4, 0.8, seed=seed))
+    unmeasured = simulate(arrivals, "slo", speculation=SimSpeculation(4, 0.8, seed=seed, measure_yield=False))
+    assert sorted(measured.num_output.values()) == [32] * 200
+    assert measured.p99(measured.tpot_s.values()) <= 0.050 and measured.p99(measured.ttft_s.values()) <= 2.0
+    assert sum(map(measured.met, measured.targets)) == 200 > sum(map(unmeasured.met, unmeasured.targets))

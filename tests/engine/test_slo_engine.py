@@ -114,3 +114,18 @@ def test_adaptive_speculation_measures_the_same_periods_as_the_step_model(tiny_m
     assert spec_seen and len(spec_seen) < len(model_seen)        # the prefill step is no sample for k
     assert set(spec_seen) <= set(model_seen)                     # the same seconds, period by period
     assert all(s >= gap_s for s in spec_seen[:-1]) and spec_seen[-1] < gap_s
+
+
+def test_calibration_with_speculation_runs_plain_steps_and_leaves_the_counters_alone(tiny_model_dir, cache_dir):
+    """A layer-truncated draft model drafts on every decode, random prompts included: the calibration's
+    steps must not reach the counters, the decode-yield meter or the adaptive draft length."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1}
+    llm = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20, block_size=4,
+              speculative_config=spec)
+    core = llm.engine.core
+    assert llm.engine.step_time_model()["source"] == "calibrated"
+    assert core.scheduler.spec_stats.num_drafts == 0 and core.draft_length.measured == {}
+    assert core.scheduler.decode_yield is not None and core.scheduler.decode_yield.current.output_tokens == 1.0
+    assert core.proposer is not None and core.scheduler.num_lookahead_tokens == 3     # restored
+    llm.generate(["a b c"] * 2, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    assert core.scheduler.spec_stats.num_drafts > 0                   # and speculation is back for traffic

@@ -138,3 +138,19 @@ def test_relaxed_acceptance_accepts_at_least_as_much(tiny_model_factory):
     _tokens(strict), _tokens(relaxed)
     a, b = strict.engine.stats().spec_decode, relaxed.engine.stats().spec_decode
     assert b.num_accepted_tokens / b.num_draft_tokens >= a.num_accepted_tokens / a.num_draft_tokens
+
+
+def test_the_scheduler_measures_what_speculative_steps_yield(tiny_model_factory):
+    from tokenmill.core.decode_yield import DecodeYieldMeter
+    llm = _llm(tiny_model_factory("llama"), {**SPEC, "adaptive": False}, scheduling_policy="slo")
+    core = llm.engine.core
+    assert core.scheduler.decode_yield is not None and _llm(tiny_model_factory("llama"), None).engine.core \
+        .scheduler.decode_yield is None                             # measured only with speculation
+    core.scheduler.decode_yield = DecodeYieldMeter(decay=1.0)       # plain means, to compare with the counters
+    _tokens(llm)
+    decoded = len(PROMPTS) * 23                                     # each prompt's first token is its prefill's
+    accepted = core.scheduler.spec_stats.num_accepted_tokens      # counted where the meter records
+    y = core.scheduler.decode_yield.current
+    assert accepted > 0
+    assert y.output_tokens == pytest.approx(decoded / (decoded - accepted))   # tokens per decoding step
+    assert y.new_tokens > y.output_tokens                           # every accepted draft was computed, and more

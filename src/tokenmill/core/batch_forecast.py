@@ -1,8 +1,9 @@
 """What the decode batch will be over the coming steps, for the SLO policy's admission test.
 
 A request's MLPerf TPOT is the mean step time over its whole decode, so what matters when admitting one is
-not the next step but the batch over the next hundred: running requests leave as their remaining tokens run
-out, and new ones arrive at the recent arrival rate, each staying about the mean output length. Batch at
+not the next step but the batch over the next hundred: running requests leave as their remaining steps run
+out (their remaining tokens over what a step yields them: core/decode_yield.py), and new ones arrive at the
+recent arrival rate, each staying about the mean remaining steps. Batch at
 step j (1-based) = #{running r: remaining_r >= j} + rate * step_s * min(j, mean_output). Step time at batch b
 is intercept + per_row * b (per_row carrying each row's share of prefill and attention reads).
 """
@@ -12,6 +13,8 @@ import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+
+from tokenmill.core.decode_yield import PLAIN, DecodeYield
 
 
 class ArrivalRate:
@@ -35,11 +38,13 @@ class ArrivalRate:
 
 @dataclass(frozen=True)
 class BatchForecast:
-    remaining: tuple[int, ...]        # remaining output tokens of each request in the batch, ascending
+    remaining: tuple[int, ...]        # remaining steps of each request in the batch, ascending (without
+                                      # speculation: its remaining output tokens)
     new_per_step: float               # expected arrivals per step (rate * step seconds)
     mean_output: float                # steps an arrival stays
     intercept_s: float
-    per_row_s: float
+    per_row_s: float                  # a request's share of a step (its rows, its prefill share, its reads)
+    decode_yield: DecodeYield = PLAIN   # what a step computes and yields per request (speculation)
     _prefix: tuple[int, ...] = field(init=False, repr=False)   # _prefix[i] = sum(remaining[:i])
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.decode_yield import DecodeYieldMeter
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.policy import FCFSPolicy, SchedulingPolicy, StepBudget
@@ -43,6 +44,9 @@ class Scheduler:
         # worker-side drafting: every request that samples gets slots for this many positions past its
         # new tokens (the drafter writes its own cache there while chaining drafts)
         self.num_lookahead_tokens = 0
+        # with speculation: what a step computes and yields per decoding request, measured (policies read
+        # it); None: no speculation, one decode row and one output token each
+        self.decode_yield: DecodeYieldMeter | None = None
 
     # ---- admission and removal -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -226,6 +230,10 @@ class Scheduler:
             # of the drafts, only the accepted ones (all but the last sampled token) hold valid KV
             rejected = sr.num_draft_tokens - max(len(sampled) - 1, 0) if sr.num_draft_tokens else 0
             request.num_computed_tokens += sr.num_new_tokens - rejected
+            if self.decode_yield is not None and request.num_output_tokens \
+                    and sr.num_new_tokens - sr.num_draft_tokens == 1:
+                self.decode_yield.record(self.step_model.chunk_features(sr.start_position, sr.num_new_tokens),
+                                         len(sampled))
             if sr.num_draft_tokens:
                 request.spec_token_ids = []
                 self.spec_stats.record(sr.num_draft_tokens, len(sampled) - 1)

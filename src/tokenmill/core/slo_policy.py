@@ -22,6 +22,11 @@ life, far more than by any one step. So, per step:
   waited urgent_fraction of its TTFT target is admitted anyway (its TTFT miss would be certain, a TPOT miss
   is only forecast), and when even one request alone would miss, admission serves throughput.
 It drops nothing: a request that cannot meet its target still runs to completion.
+
+With speculation a decoding request computes 1 + d tokens a step and yields 1 + a output tokens (drafts
+granted, drafts accepted): the scheduler measures both (core/decode_yield.py). Steps are priced by what they
+compute and TPOTs by what they yield, so a request's remaining tokens take remaining / yield steps; without
+speculation (PLAIN) every formula reduces to one row and one token a step.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
+from tokenmill.core.decode_yield import PLAIN, DecodeYield
 from tokenmill.core.output_length import OutputLengths
 from tokenmill.core.policy import FCFSPolicy, StepBudget, register_policy
 from tokenmill.core.request import FinishReason, Request
@@ -65,6 +71,12 @@ def _stops_by_itself(r: Request) -> bool:
     """r may end before max_tokens: by EOS, a stop token id or a stop string."""
     p = r.sampling_params
     return bool(p.stop or p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
+
+
+def decode_yield(scheduler: "Scheduler") -> DecodeYield:
+    """What a step does for a decoding request, as the scheduler measured it (PLAIN: no speculation)."""
+    meter = scheduler.decode_yield
+    return PLAIN if meter is None else meter.current
 
 
 def _deadline(r: Request, cfg: SLOPolicyConfig) -> float:
@@ -110,35 +122,57 @@ class SLOPolicy(FCFSPolicy):
         return min(max(value, self._floor(r)), cap)
 
     # ---- the step's budget --------------------------------------------------------------------------
-    def step_limit_s(self, running: list[Request], now: float, model) -> float:
+    def step_limit_s(self, running: list[Request], now: float, model, y: DecodeYield = PLAIN) -> float:
         """Predicted time this step may take (inf: no running request has a TPOT target). Each request with
         a target and a first token has an allowance, aim * (k + h) - elapsed, for k tokens after its first
-        so far and h = min(remaining tokens (low estimate), horizon_steps) steps ahead, and a slack, what the
-        allowance holds beyond h steady steps (steady_step_s of the running batch). It allows a steady step
-        plus slack_spend of its slack (spending it all at once is right only if the steps after are as
-        predicted: step times vary, and arrivals come), never less than a decode-only step (decodes always
-        run; prefill then gets its minimum chunk). The tightest request sets the limit, among those that
-        decode-only steps could still keep on target: a steady step carries the batch's share of prefill,
-        which this limit itself defers, so a request past the steady bar may still be kept; one past even
-        the decode-only bar completes, counted, without slowing all."""
+        so far and h = its remaining tokens (low estimate) within horizon_steps steps, and a slack, what the
+        allowance holds beyond the steady steps those tokens take (h / y.output_tokens of them, each
+        steady_step_s of the running batch). It allows a steady step plus slack_spend of its slack
+        (spending it all at once is right only if the steps after are as predicted: step times vary, and
+        arrivals come), never less than a decode-only step without drafts (decodes always run; prefill then
+        gets its minimum chunk, drafts what time is left). The tightest request sets the limit, among those
+        that decode-only steps (with drafts where they pay) could still keep on target: a steady step
+        carries the batch's share of prefill, which this limit itself defers, so a request past the steady
+        bar may still be kept; one past even the decode-only bar completes, counted, without slowing all."""
         c, limit = self.config, math.inf
-        steady = decode = None
+        steady = decode = per_token = None
         for r in running:
             target = _tpot_s(r)
             if target is None or r.first_token_time is None:
                 continue                      # no target, or still before its first token
             if steady is None:
-                steady = self.steady_step_s(running, model)
-                decode = model.predict(StepFeatures(len(running), 0, sum(q.num_tokens for q in running)))
-            h = self.remaining_low(r, c.horizon_steps)
+                y = self.plan_yield(running, model, y)
+                cap = round(c.horizon_steps * y.output_tokens)
+                steady = self.steady_step_s(running, model, y)
+                decode, per_token = self._decode_only_s(running, model, y)
+            h = self.remaining_low(r, cap)
             allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
-            if allowance >= decode * h:       # decode-only steps would keep it on target
-                limit = min(limit, max(steady + c.slack_spend * (allowance - steady * h), decode))
+            if allowance >= per_token * h:    # decode-only steps would keep it on target
+                limit = min(limit, max(steady + c.slack_spend * (allowance - steady * h / y.output_tokens), decode))
         return limit
+
+    def plan_yield(self, batch: list[Request], model, y: DecodeYield) -> DecodeYield:
+        """The yield to plan `batch`'s steps with: y where its drafts pay (steady steps with them take less
+        time per output token than plain steps), else PLAIN. Drafts are granted last, from the time a step
+        has left: a plan that counted drafts that do not pay would make room for them."""
+        if y == PLAIN or self.steady_step_s(batch, model, y) / y.output_tokens < self.steady_step_s(batch, model):
+            return y
+        return PLAIN
+
+    @staticmethod
+    def _decode_only_s(running: list[Request], model, y: DecodeYield) -> tuple[float, float]:
+        """A decode-only step of `running` without drafts (the least a step computes: drafts are granted
+        last, from the time a step has left), and the least time per output token of decode-only steps:
+        that step's, or one with drafts as y says over what it yields, where speculation pays."""
+        positions = sum(q.num_tokens - 1 for q in running)
+        plain = model.predict(PLAIN.features(len(running), positions))
+        if y == PLAIN:
+            return plain, plain
+        return plain, min(plain, model.predict(y.features(len(running), positions)) / y.output_tokens)
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
         model = scheduler.step_model
-        limit = self.step_limit_s(scheduler.running, now, model)
+        limit = self.step_limit_s(scheduler.running, now, model, decode_yield(scheduler))
         if not math.isfinite(limit) or not model.is_fitted:
             return StepBudget(scheduler.config.max_num_batched_tokens)
         return StepBudget(scheduler.config.max_num_batched_tokens, limit - model.coefficients["intercept"],
@@ -169,24 +203,33 @@ class SLOPolicy(FCFSPolicy):
         batch = running + [request]
         if not running or not model.is_fitted or all(_tpot_s(r) is None for r in batch):
             return True
-        if self.steady_step_s([request], model) > self.config.tpot_margin * min(
+        y = decode_yield(scheduler)
+        alone = self.plan_yield([request], model, y)
+        if self.steady_step_s([request], model, alone) / alone.output_tokens > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
         if self._urgent(request, now):
             return True                       # a TTFT miss is certain if it waits; a TPOT miss only forecast
-        before, after = self.forecast(running, model, now), self.forecast(batch, model, now)
+        before, after = self.forecast(running, model, now, y), self.forecast(batch, model, now, y)
         aim = self.config.tpot_margin
         if self.projected_tpot_s(request, after, now) > aim * (_tpot_s(request) or math.inf):
             return False                      # it would run above its own target: wait for a smaller batch
         return not any(self._would_miss(r, before, after, aim, now) for r in running)
 
-    def forecast(self, batch: list[Request], model, now: float) -> BatchForecast:
-        """The batch over the coming steps if `batch` runs now (core/batch_forecast.py)."""
-        steady = self.steady_step_s(batch, model)
+    def forecast(self, batch: list[Request], model, now: float, y: DecodeYield = PLAIN) -> BatchForecast:
+        """The batch over the coming steps if `batch` runs now (core/batch_forecast.py), in steps: a request
+        stays for its remaining tokens' steps at y's yield."""
+        y = self.plan_yield(batch, model, y)
+        steady = self.steady_step_s(batch, model, y)
         intercept = model.coefficients["intercept"]
-        remaining = tuple(self.remaining_mean(r, self.config.forecast_max_steps) for r in batch)
-        return BatchForecast(remaining, self.arrivals.rate(now) * steady, sum(remaining) / len(remaining),
-                             intercept, max(steady - intercept, 0.0) / len(batch))
+        cap = self._token_cap(y)
+        steps = tuple(y.steps_for(self.remaining_mean(r, cap)) for r in batch)
+        return BatchForecast(steps, self.arrivals.rate(now) * steady, sum(steps) / len(steps),
+                             intercept, max(steady - intercept, 0.0) / len(batch), y)
+
+    def _token_cap(self, y: DecodeYield) -> int:
+        """A request's remaining tokens counted at most forecast_max_steps steps ahead."""
+        return round(self.config.forecast_max_steps * y.output_tokens)
 
     def _would_miss(self, r: Request, before: BatchForecast, after: BatchForecast, margin: float,
                     now: float) -> bool:
@@ -200,11 +243,14 @@ class SLOPolicy(FCFSPolicy):
 
     def projected_tpot_s(self, r: Request, forecast: BatchForecast, now: float) -> float:
         """r's TPOT at its end by the forecast: its time since its first token plus its remaining steps'
-        predicted time, over its tokens after the first (before its first token: the mean step ahead)."""
-        remaining = self.remaining_mean(r, self.config.forecast_max_steps)
+        predicted time, over its tokens after the first (before its first token: the mean step ahead over
+        the tokens a step yields)."""
+        y = forecast.decode_yield
+        remaining = self.remaining_mean(r, self._token_cap(y))
+        steps = y.steps_for(remaining)
         if r.first_token_time is None:
-            return forecast.mean_step_s(remaining)
-        return ((now - r.first_token_time) + forecast.time_s(remaining)) / (r.num_output_tokens - 1 + remaining)
+            return forecast.mean_step_s(steps) / y.output_tokens
+        return ((now - r.first_token_time) + forecast.time_s(steps)) / (r.num_output_tokens - 1 + remaining)
 
     def prefill_is_urgent(self, request: Request, now: float) -> bool:
         """Before its first token and past prefill_urgent_fraction of its TTFT allowance (deadline - arrival):
@@ -219,18 +265,19 @@ class SLOPolicy(FCFSPolicy):
         t = r.sampling_params.ttft_target_ms
         return t is not None and now - r.arrival_time > self.config.urgent_fraction * t / 1e3
 
-    def steady_step_s(self, batch: list[Request], model) -> float:
-        """Predicted step time once `batch` decodes together while carrying its share of prefill: as many
-        prompt tokens per step as the batch's prompt-to-output ratio says keep arrivals and departures even
-        (output: each request's tokens so far plus its expected remaining ones)."""
-        rows = len(batch)
+    def steady_step_s(self, batch: list[Request], model, y: DecodeYield = PLAIN) -> float:
+        """Predicted step time once `batch` decodes together (each request's new tokens as y says) while
+        carrying its share of prefill: as many prompt tokens per step as the batch's prompt-to-output ratio
+        says keep arrivals and departures even at y.output_tokens output tokens a request per step (output:
+        each request's tokens so far plus its expected remaining ones)."""
+        n = len(batch)
         prompt = sum(r.num_prompt_tokens for r in batch)
         output = sum(r.num_output_tokens + self.remaining_mean(r, r.max_tokens) for r in batch)
-        prefill_per_step = rows * prompt / output
-        context = sum(r.num_tokens for r in batch)
-        mean_prompt = prompt / rows
-        reads = context + prefill_per_step * mean_prompt / 2
-        return model.predict(StepFeatures(rows, round(prefill_per_step), round(reads)))
+        prefill_per_step = n * y.output_tokens * prompt / output
+        decode = y.features(n, sum(r.num_tokens - 1 for r in batch))
+        reads = decode.context_reads + prefill_per_step * (prompt / n) / 2
+        return model.predict(StepFeatures(decode.decode_rows, decode.prefill_tokens + round(prefill_per_step),
+                                          round(reads)))
 
     def pick_victim(self, running: list[Request]) -> Request:
         return max(running, key=lambda r: _deadline(r, self.config))

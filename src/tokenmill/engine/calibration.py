@@ -102,12 +102,13 @@ def calibrate(core) -> dict[str, float]:
         raise RuntimeError("calibration needs an idle engine")
     kv_counters = core.kv.prefix_queries_tokens, core.kv.prefix_hits_tokens
     rng = random.Random(0)
-    _run_phase(core, *WARMUP, rng, "w")                # first steps pay one-time costs: not observed
     fitted = StepTimeModel(decay=1.0)
-    core.replace_step_model(fitted)
-    for i, phase in enumerate(PHASES):
-        if _fits(core, *phase):
-            _run_phase(core, *phase, rng, str(i))
+    with core.speculation_paused():                    # plain steps, the shapes the model's features name
+        _run_phase(core, *WARMUP, rng, "w")            # first steps pay one-time costs: not observed
+        core.replace_step_model(fitted)
+        for i, phase in enumerate(PHASES):
+            if _fits(core, *phase):
+                _run_phase(core, *phase, rng, str(i))
     coeffs = fitted.coefficients
     core.replace_step_model(StepTimeModel(prior=coeffs))
     core.kv.prefix_queries_tokens, core.kv.prefix_hits_tokens = kv_counters

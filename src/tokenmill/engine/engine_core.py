@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.decode_yield import DecodeYieldMeter
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.policy import make_policy
@@ -106,6 +108,8 @@ class EngineCore:
                                    self.step_model)
         spec = config.speculative
         self.proposer = make_proposer(spec) if spec is not None else None
+        if self.proposer is not None:
+            self.scheduler.decode_yield = DecodeYieldMeter()
         if self.proposer is not None and self.proposer.on_worker:     # drafts for the first steps
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens) if spec is not None and spec.adaptive \
@@ -122,6 +126,20 @@ class EngineCore:
         """Use `model` from now on, its features as this engine's platform computes them."""
         model.rows = self.decode_rows
         self.step_model = self.scheduler.step_model = model
+
+    @contextmanager
+    def speculation_paused(self):
+        """Steps without drafts inside the block: the start-up calibration measures plain steps, and its
+        random prompts would teach the draft length, the decode-yield meter and the counters nothing true
+        of real traffic. The engine must be idle on entry and on exit (no request holds drafts)."""
+        sched = self.scheduler
+        saved = self.proposer, self.draft_length, sched.num_lookahead_tokens, sched.decode_yield
+        self.proposer = self.draft_length = sched.decode_yield = None
+        sched.num_lookahead_tokens = 0
+        try:
+            yield
+        finally:
+            self.proposer, self.draft_length, sched.num_lookahead_tokens, sched.decode_yield = saved
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
