@@ -101,6 +101,11 @@ def test_the_step_time_model_is_read_from_a_tokenmill_servers_metrics():
     assert step_time_model_from_metrics("vllm:num_requests_running 3") is None
     replicated = step_time_model_from_metrics(text + '\ntokenmill:step_time_model_replicas{model_name="m"} 2.0')
     assert replicated["replicas"] == 2
+    assert model["decode_yield"] is None
+    speculating = step_time_model_from_metrics(text + "".join(
+        f'\ntokenmill:step_time_model_decode_yield_tokens{{model_name="m",kind="{k}"}} {v}'
+        for k, v in (("new", 4.5), ("output", 2.25))))
+    assert speculating["decode_yield"] == {"new_tokens": 4.5, "output_tokens": 2.25}
 
 
 def test_the_step_time_bound_of_data_parallel_replicas_is_theirs_together():
@@ -131,3 +136,13 @@ def test_the_report_says_when_verify_tokens_count_as_decode_rows():
     assert "decode rows:" not in _step_model_lines({**model, "decode_rows": {"max_query_len": 1, "max_rows": 0}})[0]
     fused = _step_model_lines({**model, "decode_rows": {"max_query_len": 17, "max_rows": 4096}})[0]
     assert "up to 17 new tokens" in fused and "verify steps included" in fused
+
+
+def test_the_report_gives_the_decode_yield_with_speculation():
+    from tokenmill.bench.report import _step_model_lines
+    model = {"intercept_ms": 5.0, "per_decode_row_ms": 0.3, "per_prefill_token_ms": 0.1,
+             "per_1k_context_reads_ms": 0.01, "observations": 9}
+    assert len(_step_model_lines({**model, "decode_yield": None})) == 1
+    lines = _step_model_lines({**model, "decode_yield": {"new_tokens": 4.2, "decode_rows": 4.2, "prefill_tokens": 0.0,
+                                                         "output_tokens": 2.5}})
+    assert "computes 4.20 new tokens a step and yields 2.50 output tokens" in lines[1]

@@ -81,5 +81,28 @@ def test_metrics_show_the_step_time_model_of_an_slo_server(tiny_model_dir, tmp_p
         observed = [float(l.split()[-1]) for l in lines if l.startswith("tokenmill:step_time_model_observations")]
         assert observed and observed[0] >= 4
         assert [l.split()[-1] for l in lines if l.startswith("tokenmill:step_time_model_replicas")] == ["1.0"]
+        assert not [l for l in lines if "decode_yield" in l]         # no speculation: no yield to report
+    finally:
+        engine.shutdown()
+
+
+def test_metrics_show_the_decode_yield_of_a_speculating_server(tiny_model_dir, tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from tokenmill.bench.session import step_time_model_from_metrics
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.api_server import build_app
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, num_threads=1, scheduling_policy="slo",
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    try:
+        client = TestClient(build_app(engine, ServerConfig(slo_ttft_ms=2000, slo_tpot_ms=100), max_num_seqs=8))
+        assert client.post("/v1/completions", json={"prompt": "a b c a b c a b c", "max_tokens": 12,
+                                                    "temperature": 0}).status_code == 200
+        model = step_time_model_from_metrics(client.get("/metrics").text)
+        assert model["decode_yield"]["output_tokens"] >= 1.0
+        assert model["decode_yield"]["new_tokens"] >= model["decode_yield"]["output_tokens"]
     finally:
         engine.shutdown()

@@ -154,3 +154,4 @@ def test_the_scheduler_measures_what_speculative_steps_yield(tiny_model_factory)
     assert accepted > 0
     assert y.output_tokens == pytest.approx(decoded / (decoded - accepted))   # tokens per decoding step
     assert y.new_tokens > y.output_tokens                           # every accepted draft was computed, and more
+    assert llm.engine.step_time_model()["decode_yield"]["output_tokens"] == pytest.approx(y.output_tokens)

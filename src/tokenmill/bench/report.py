@@ -95,7 +95,15 @@ def _step_model_lines(s: dict) -> list[str]:
             f"{_fmt(s.get('intercept_ms'), 2)} ms + {_fmt(s.get('per_decode_row_ms'), 3)} ms/decode row + "
             f"{_fmt(s.get('per_prefill_token_ms'), 3)} ms/prefill token + "
             f"{_fmt(s.get('per_1k_context_reads_ms'), 3)} ms/1k context reads"
-            + _decode_rows_text(s.get("decode_rows"))]
+            + _decode_rows_text(s.get("decode_rows"))] + _decode_yield_lines(s.get("decode_yield"))
+
+
+def _decode_yield_lines(y: dict | None) -> list[str]:
+    if not y:
+        return []
+    return [f"Decode yield (speculation, recent steps): a decoding request computes {_fmt(y['new_tokens'], 2)} "
+            f"new tokens a step and yields {_fmt(y['output_tokens'], 2)} output tokens (the SLO policy's "
+            f"forecasts read both)"]
 
 
 def _decode_rows_text(rows: dict | None) -> str:

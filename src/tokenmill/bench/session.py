@@ -151,10 +151,12 @@ def _server_metrics(sut: SUT) -> str | None:
 def step_time_model_from_metrics(text: str) -> dict | None:
     """Parse `<prefix>step_time_model_seconds{...,term="T"} v` lines (server/metrics.py) into the shape of
     LLMEngine.step_time_model()."""
-    coeffs, observations, replicas = {}, None, 1
+    coeffs, observations, replicas, decode_yield = {}, None, 1, {}
     for line in text.splitlines():
         name = line.split("{", 1)[0]
-        if name.endswith("step_time_model_seconds") and 'term="' in line:
+        if name.endswith("step_time_model_decode_yield_tokens") and 'kind="' in line:
+            decode_yield[line.split('kind="', 1)[1].split('"', 1)[0] + "_tokens"] = float(line.rsplit(" ", 1)[1])
+        elif name.endswith("step_time_model_seconds") and 'term="' in line:
             coeffs[line.split('term="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
         elif name.endswith("step_time_model_observations_total"):
             observations = int(float(line.rsplit(" ", 1)[1]))
@@ -165,7 +167,8 @@ def step_time_model_from_metrics(text: str) -> dict | None:
     return {"coefficients": coeffs, "intercept_ms": 1e3 * coeffs["intercept"],
             "per_decode_row_ms": 1e3 * coeffs["per_decode_row"], "per_prefill_token_ms": 1e3 * coeffs["per_prefill_token"],
             "per_1k_context_reads_ms": 1e6 * coeffs["per_context_read"], "observations": observations,
-            "replicas": replicas, "source": "server /metrics", "policy": "server's"}
+            "replicas": replicas, "source": "server /metrics", "policy": "server's",
+            "decode_yield": decode_yield if {"new_tokens", "output_tokens"} <= set(decode_yield) else None}
 
 
 def engine_spec_decode(sut: SUT) -> dict | None:

@@ -316,10 +316,17 @@ class LLMEngine:
                 "num_kv_blocks": self.config.cache.num_blocks, "block_size": self.config.cache.block_size}
 
     def step_time_model(self) -> dict:
-        """The step-time model now: coefficients (ms per unit), observations, where its prior came from, and
-        `replicas`: how many data-parallel replicas each run steps like it (1 without data parallel)."""
+        """The step-time model now: coefficients (ms per unit), observations, where its prior came from,
+        `replicas`: how many data-parallel replicas each run steps like it (1 without data parallel), and
+        with speculation in one engine `decode_yield`: what a step computes and yields per decoding request
+        (core/decode_yield.py; None otherwise)."""
+        meter = None if isinstance(self.core, ReplicatedCore) else self.core.scheduler.decode_yield
+        y = None if meter is None else meter.current
         return {"replicas": 1, **self.core.step_model.describe(), "source": self.step_model_source,
-                "policy": self.config.scheduler.policy}
+                "policy": self.config.scheduler.policy,
+                "decode_yield": None if y is None else {"new_tokens": y.new_tokens, "decode_rows": y.decode_rows,
+                                                        "prefill_tokens": y.prefill_tokens,
+                                                        "output_tokens": y.output_tokens}}
 
     def replica_stats(self) -> list[EngineStats | None]:
         """Data parallel: each replica's last reported stats (None for a dead one); [] with one engine."""

@@ -208,3 +208,11 @@ class EngineStatsCollector(Collector):
                               labels=["model_name"])
         r.add_metric([self.model_name], float(model.get("replicas", 1)))
         yield r
+        if model.get("decode_yield"):
+            y = GaugeMetricFamily(self.prefix + "step_time_model_decode_yield_tokens",
+                                  "With speculation: tokens a decoding request computes (kind=new: its token and "
+                                  "its drafts) and yields (kind=output) per step, recency-weighted means",
+                                  labels=["model_name", "kind"])
+            y.add_metric([self.model_name, "new"], model["decode_yield"]["new_tokens"])
+            y.add_metric([self.model_name, "output"], model["decode_yield"]["output_tokens"])
+            yield y
