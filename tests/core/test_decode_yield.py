@@ -116,7 +116,7 @@ def test_drafts_that_do_not_pay_are_planned_as_plain_steps():
     batch = [_decoding_request(f"r{i}", 4, 0.0) for i in range(4)]
     paying = DecodeYield(decode_rows=5.0, prefill_tokens=0.0, self_reads=15.0, output_tokens=3.5)
     losing = DecodeYield(decode_rows=5.0, prefill_tokens=0.0, self_reads=15.0, output_tokens=1.2)
-    assert policy.plan_yield(batch, model, paying) == paying
-    assert policy.plan_yield(batch, model, losing) == PLAIN      # 5 rows for 1.2 tokens: dearer per token
+    assert policy.plan_yield(batch, model, paying) == (paying, policy.steady_step_s(batch, model, paying))
+    assert policy.plan_yield(batch, model, losing) == (PLAIN, policy.steady_step_s(batch, model))   # 5 rows, 1.2 tokens
     assert policy.step_limit_s(batch, 0.0, model, losing) == policy.step_limit_s(batch, 0.0, model)
     assert policy.forecast(batch, model, 0.0, losing) == policy.forecast(batch, model, 0.0)

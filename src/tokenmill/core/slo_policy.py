@@ -141,9 +141,8 @@ class SLOPolicy(FCFSPolicy):
             if target is None or r.first_token_time is None:
                 continue                      # no target, or still before its first token
             if steady is None:
-                y = self.plan_yield(running, model, y)
+                y, steady = self.plan_yield(running, model, y)
                 cap = round(c.horizon_steps * y.output_tokens)
-                steady = self.steady_step_s(running, model, y)
                 decode, per_token = self._decode_only_s(running, model, y)
             h = self.remaining_low(r, cap)
             allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
@@ -151,13 +150,16 @@ class SLOPolicy(FCFSPolicy):
                 limit = min(limit, max(steady + c.slack_spend * (allowance - steady * h / y.output_tokens), decode))
         return limit
 
-    def plan_yield(self, batch: list[Request], model, y: DecodeYield) -> DecodeYield:
-        """The yield to plan `batch`'s steps with: y where its drafts pay (steady steps with them take less
-        time per output token than plain steps), else PLAIN. Drafts are granted last, from the time a step
-        has left: a plan that counted drafts that do not pay would make room for them."""
-        if y == PLAIN or self.steady_step_s(batch, model, y) / y.output_tokens < self.steady_step_s(batch, model):
-            return y
-        return PLAIN
+    def plan_yield(self, batch: list[Request], model, y: DecodeYield) -> tuple[DecodeYield, float]:
+        """The yield to plan `batch`'s steps with, and its steady step (seconds): y where its drafts pay
+        (steady steps with them take less time per output token than plain steps), else PLAIN. Drafts are
+        granted last, from the time a step has left: a plan that counted drafts that do not pay would make
+        room for them."""
+        steady = self.steady_step_s(batch, model, y)
+        if y == PLAIN:
+            return y, steady
+        plain = self.steady_step_s(batch, model)
+        return (y, steady) if steady / y.output_tokens < plain else (PLAIN, plain)
 
     @staticmethod
     def _decode_only_s(running: list[Request], model, y: DecodeYield) -> tuple[float, float]:
@@ -204,8 +206,8 @@ class SLOPolicy(FCFSPolicy):
         if not running or not model.is_fitted or all(_tpot_s(r) is None for r in batch):
             return True
         y = decode_yield(scheduler)
-        alone = self.plan_yield([request], model, y)
-        if self.steady_step_s([request], model, alone) / alone.output_tokens > self.config.tpot_margin * min(
+        alone, steady = self.plan_yield([request], model, y)
+        if steady / alone.output_tokens > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
         if self._urgent(request, now):
@@ -219,8 +221,7 @@ class SLOPolicy(FCFSPolicy):
     def forecast(self, batch: list[Request], model, now: float, y: DecodeYield = PLAIN) -> BatchForecast:
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py), in steps: a request
         stays for its remaining tokens' steps at y's yield."""
-        y = self.plan_yield(batch, model, y)
-        steady = self.steady_step_s(batch, model, y)
+        y, steady = self.plan_yield(batch, model, y)
         intercept = model.coefficients["intercept"]
         cap = self._token_cap(y)
         steps = tuple(y.steps_for(self.remaining_mean(r, cap)) for r in batch)
