@@ -74,7 +74,7 @@ def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_targets_leave():
     spend = policy.config.slack_spend                 # a step may take steady + spend * slack: make it 60 ms
     clock[0] = aim * h - steady * h - (0.060 - steady) / spend
     assert policy.step_limit_s(s.running, clock[0], s.step_model) == pytest.approx(0.060)
-    s.add_request(Request("long", [9] * 600, _params(8), arrival_time=clock[0]))
+    s.add_request(Request("long", [9] * 600, _params(8, ttft=60_000.0), arrival_time=clock[0]))  # may be cut
     out = s.schedule()
     chunk = {sr.request_id: sr.num_new_tokens for sr in out.scheduled}
     assert all(chunk[f"d{i}"] == 1 for i in range(4))          # decodes always get their token
@@ -101,8 +101,8 @@ def test_waiting_requests_are_admitted_by_least_slack():
 
 def test_admission_stops_once_the_forecast_batch_would_push_a_newcomer_past_its_target():
     s = _scheduler()
-    for i in range(40):
-        s.add_request(Request(f"r{i}", [2] * 32, _params(32), arrival_time=0.0))
+    for i in range(40):     # a TTFT target long enough that running requests leave while one is held
+        s.add_request(Request(f"r{i}", [2] * 32, _params(32, ttft=5000.0), arrival_time=0.0))
     s.schedule()
     policy, n = s.policy, len(s.running)
     assert 1 < n < 40
@@ -250,22 +250,33 @@ def test_prefill_a_steady_batch_cannot_carry_is_deferred_not_let_through():
     assert policy.steady_step_s(s.running, model) > policy.config.tpot_margin * 0.050
     decode_only = model.predict(StepFeatures(1, 0, s.running[0].num_tokens))
     assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(decode_only)
-    s.add_request(_eos_request("new", prompt=600))
+    s.add_request(_eos_request("new", prompt=600, ttft=60_000.0))   # a TTFT allowance that lets it be cut
     chunk = {sr.request_id: sr.num_new_tokens for sr in s.schedule().scheduled}
     assert chunk == {"r": 1, "new": policy.config.min_prefill_chunk}
 
 
 def test_a_prefill_near_its_ttft_deadline_takes_its_whole_chunk_past_the_limit():
+    """Urgency is measured against the TTFT allowance: the deadline less the predicted step that computes
+    the rest of the prompt whole, so the prefill that goes urgent still ends by its deadline."""
     clock = [0.0]
     s = _scheduler(clock=lambda: clock[0])
+    policy, model = s.policy, s.step_model
+    whole_s = model.chunk_marginal(0, 600) + model.predict(StepFeatures(1, 0, 1001))
+    allowance = 4.0 - whole_s                       # "new"'s, beside r's decodes
     s.add_request(_eos_request("r", prompt=1000, max_tokens=8, ttft=10_000.0))
-    clock[0] = 0.59
+    clock[0] = 0.6 * allowance - 0.01
     _step(s)                                        # r's first token; its steps are held to decode-only ones
-    s.add_request(_eos_request("new", prompt=600, ttft=1000.0))     # arrived at t = 0
-    clock[0] = 0.6                                  # new is past half its TTFT target (admitted), not 3/4
+    new = _eos_request("new", prompt=600, ttft=4000.0)             # arrived at t = 0
+    s.add_request(new)
+    assert policy._ttft_allowance_s(new, s) == pytest.approx(allowance)
+    clock[0] = 0.6 * allowance                      # past half its allowance (admitted), not 3/4
     assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 16}
-    clock[0] = 0.8                                  # past 3/4: its TTFT is at stake, the prefill goes ahead
+    rest = policy._ttft_allowance_s(new, s)         # the rest of its prompt is a little cheaper
+    assert not policy.prefill_is_urgent(new, s, 0.74 * rest)
+    assert policy.prefill_is_urgent(new, s, 0.76 * rest)   # its TTFT is at stake: the prefill goes ahead
+    clock[0] = 0.76 * rest
     assert {sr.request_id: sr.num_new_tokens for sr in _step(s).scheduled} == {"r": 1, "new": 600 - 16}
+    assert clock[0] + whole_s < 4.0                 # and that step ends before the deadline
 
 
 @pytest.mark.parametrize("seed", [6, 8])
@@ -280,3 +291,61 @@ def test_with_speculation_tpot_is_forecast_per_output_token(seed):
     assert sorted(measured.num_output.values()) == [32] * 200
     assert measured.p99(measured.tpot_s.values()) <= 0.050 and measured.p99(measured.ttft_s.values()) <= 2.0
     assert sum(map(measured.met, measured.targets)) == 200 > sum(map(unmeasured.met, unmeasured.targets))
+
+
+def test_a_hold_that_cannot_end_in_a_smaller_batch_is_not_made():
+    """Forty requests at once, 32 tokens each: holding one back helps only if a running request leaves
+    before the held one goes urgent. With a 1 s TTFT target none does (the batch it would join then is no
+    smaller), so all are admitted now; with 5 s (the test above) the forecast holds some back."""
+    s = _scheduler()
+    for i in range(40):
+        s.add_request(Request(f"r{i}", [2] * 32, _params(32, ttft=1000.0), arrival_time=0.0))
+    s.schedule()
+    assert len(s.running) == 40
+    policy, first, rest = s.policy, s.running[:1], s.running[1:]
+    before = policy.forecast(first, s.step_model, 0.0)
+    assert policy.projected_tpot_s(rest[0], policy.forecast(first + rest, s.step_model, 0.0), 0.0) > \
+        policy.config.tpot_margin * 0.050             # the forecast alone would have held the last ones
+    assert not policy._hold_can_end(rest[-1], s, 0.0, policy.forecast(s.running[:-1], s.step_model, 0.0))
+    assert before.remaining == (32,)
+
+
+def test_a_prompt_whose_ttft_allowance_is_short_against_its_prefill_is_not_cut():
+    """Under a step limit that leaves prefill no time, a 600-token prompt with a TTFT allowance of a few
+    prefill-times goes whole (cutting it would spread it over few steps, each paying a per-op step); one
+    with a long allowance is cut to the minimum chunk."""
+    chunks = {}
+    for ttft in (2000.0, 60_000.0):
+        s = _scheduler()
+        s.add_request(_eos_request("r", prompt=1000, max_tokens=8))
+        _step(s)
+        s.add_request(_eos_request("new", prompt=600, ttft=ttft))
+        new = s.waiting[0]
+        prefill_s = s.step_model.chunk_marginal(0, 600)
+        ratio = s.policy._ttft_allowance_s(new, s) / prefill_s
+        assert (ratio < s.policy.config.whole_prefill_ttft_ratio) == (ttft == 2000.0)
+        chunks[ttft] = {sr.request_id: sr.num_new_tokens for sr in s.schedule().scheduled}["new"]
+    assert chunks == {2000.0: 600, 60_000.0: 16}
+
+
+# a CPU-like platform: a step with prefill leaves the fused decode program (about 3 ms more)
+_CPU_COSTS = {"intercept": 0.0043, "per_decode_row": 0.0011, "per_prefill_token": 0.00047, "per_context_read": 3.9e-7}
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_interactive_targets_on_a_cpu_like_platform_slo_matches_fcfs(seed):
+    """The Interactive profile (p99 TTFT 500 ms, TPOT 30 ms; 232 -> 126 tokens) where prefills run per op
+    with a fixed overhead: prompts are not cut (their TTFT allowance is under 3.5 prefill-times) and no
+    hold is made that cannot end in a smaller batch, so the SLO policy meets as many requests as FCFS, its
+    p99 TTFT and TPOT within a few percent of FCFS's (either side, by seed); cutting prompts as a long TTFT
+    allows (ratio 0) spends TTFT for nothing here."""
+    arrivals = poisson_arrivals(2.5, 200, 232, 126, seed=seed, ttft_target_ms=500.0, tpot_target_ms=30.0)
+    run = lambda policy: simulate(arrivals, policy, prior=_CPU_COSTS, costs=_CPU_COSTS, per_op_overhead_s=0.003)
+    slo, fcfs = run("slo"), run("fcfs")
+    cutting = run(SLOPolicy(SLOPolicyConfig(whole_prefill_ttft_ratio=0.0)))
+    p99 = lambda res, d: res.p99(d(res).values())
+    ttft, tpot = (lambda r: r.ttft_s), (lambda r: r.tpot_s)
+    assert sorted(slo.num_output.values()) == [126] * 200
+    assert sum(map(slo.met, slo.targets)) >= sum(map(fcfs.met, fcfs.targets))
+    assert p99(slo, ttft) <= 1.1 * p99(fcfs, ttft) and p99(slo, tpot) <= 1.03 * p99(fcfs, tpot)
+    assert p99(slo, ttft) < 0.9 * p99(cutting, ttft)

@@ -32,16 +32,17 @@ class StepBudget:
     min_prefill_chunk: int = 0
     prefill_granted: bool = False
 
-    def grant(self, start_position: int, wanted: int, timeless: bool = False) -> int:
+    def grant(self, start_position: int, wanted: int, timeless: bool = False, floor: int = 0) -> int:
         """How many of `wanted` new tokens from start_position this step computes; charges them.
-        timeless: the chunk is not held to the time left (only to the tokens); it is still charged."""
+        timeless: the chunk is not held to the time left (only to the tokens); it is still charged.
+        floor: this chunk's own minimum past the time left, if above min_prefill_chunk (the step's first)."""
         n = min(wanted, self.tokens)
         if n <= 0:
             return 0
         if self.model is not None and math.isfinite(self.seconds) and n > 1 and not timeless:
             fits = self.model.max_chunk(start_position, n, self.seconds)
             if fits < n and not self.prefill_granted:
-                fits = max(fits, min(n, self.min_prefill_chunk))
+                fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
             n = fits
         if n <= 0:
             return 0
@@ -108,9 +109,14 @@ class SchedulingPolicy:
         """Whether `request` (the head of the waiting queue) may start now; False stops admission this step."""
         return True
 
-    def prefill_is_urgent(self, request: Request, now: float) -> bool:
+    def prefill_is_urgent(self, request: Request, scheduler: "Scheduler", now: float) -> bool:
         """Whether `request`'s next prefill chunk may exceed the step's time limit (its TTFT is at stake)."""
         return False
+
+    def prefill_floor(self, request: Request, scheduler: "Scheduler") -> int:
+        """Tokens of `request`'s next prefill chunk that a step's first chunk may take past the time limit,
+        where more than the budget's min_prefill_chunk (0: that minimum)."""
+        return 0
 
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out (lowest priority)."""

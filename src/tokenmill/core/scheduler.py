@@ -108,8 +108,9 @@ class Scheduler:
     def _chunk(self, request: Request, start: int, budget: StepBudget, now: float) -> int:
         n = request.num_tokens - start
         threshold = self.config.long_prefill_token_threshold
-        timeless = n > 1 and self.policy.prefill_is_urgent(request, now)
-        return budget.grant(start, min(n, threshold) if threshold > 0 else n, timeless)
+        timeless = n > 1 and self.policy.prefill_is_urgent(request, self, now)
+        floor = self.policy.prefill_floor(request, self) if n > 1 and not timeless else 0
+        return budget.grant(start, min(n, threshold) if threshold > 0 else n, timeless, floor)
 
     def _schedule_running(self, budget: StepBudget, scheduled: list, preempted: list, now: float) -> None:
         pending = self.policy.running_order(self.running)      # not yet scheduled this step

@@ -13,14 +13,18 @@ life, far more than by any one step. So, per step:
   soon has few steps left to average a long step out), the forecasts its mean;
 - running decodes first (one token each, always), then prefill chunks sized into the time left (the first
   chunk gets min_prefill_chunk tokens regardless, so prefills always progress; a request past
-  prefill_urgent_fraction of its TTFT allowance gets its whole chunk: TPOT first, until a TTFT miss is near);
+  prefill_urgent_fraction of its TTFT allowance gets its whole chunk: TPOT first, until a TTFT miss is near).
+  A TTFT allowance is the time from arrival to the latest start of the step computing the rest of the prompt
+  whole (the deadline less that step's predicted time);
 - waiting requests by least slack against their TTFT deadline (arrival + target, or + default_ttft_s for
   requests without one: the deadline ages them, so nothing starves);
 - admission by forecast (core/batch_forecast.py): the batch over the coming steps, running requests leaving
   as their tokens run out and new ones arriving at the recent rate; a request waits while, in that forecast,
   it would run past margin * its target or would push a running request past its own. A request that has
-  waited urgent_fraction of its TTFT target is admitted anyway (its TTFT miss would be certain, a TPOT miss
-  is only forecast), and when even one request alone would miss, admission serves throughput.
+  waited urgent_fraction of its TTFT allowance is admitted anyway (its TTFT miss would be certain, a TPOT miss
+  is only forecast), so a hold is made only where a running request is forecast to leave before then (else
+  the batch it joins later is no smaller, and holding it only spends its TTFT); when even one request alone
+  would miss, admission serves throughput.
 It drops nothing: a request that cannot meet its target still runs to completion.
 
 With speculation a decoding request computes 1 + d tokens a step and yields 1 + a output tokens (drafts
@@ -53,7 +57,9 @@ class SLOPolicyConfig:
     horizon_steps: int = 32           # steps ahead a request's TPOT projection spreads this step over
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
-    urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT target is admitted
+    urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT allowance is admitted
+    whole_prefill_ttft_ratio: float = 3.5   # a prompt whose TTFT allowance is under this many times its
+                                      # prefill's time is not cut for the time limit (prefill_floor)
     prefill_urgent_fraction: float = 0.75   # ... past this fraction, its prefill ignores the time limit
     rate_window_s: float = 60.0       # arrival rate over this window (the forecast's future arrivals)
     rate_min_span_s: float = 10.0     # ... and over at least this span (a burst is not a rate)
@@ -210,13 +216,13 @@ class SLOPolicy(FCFSPolicy):
         if steady / alone.output_tokens > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
-        if self._urgent(request, now):
+        if self._urgent(request, scheduler, now):
             return True                       # a TTFT miss is certain if it waits; a TPOT miss only forecast
         before, after = self.forecast(running, model, now, y), self.forecast(batch, model, now, y)
         aim = self.config.tpot_margin
-        if self.projected_tpot_s(request, after, now) > aim * (_tpot_s(request) or math.inf):
-            return False                      # it would run above its own target: wait for a smaller batch
-        return not any(self._would_miss(r, before, after, aim, now) for r in running)
+        hold = (self.projected_tpot_s(request, after, now) > aim * (_tpot_s(request) or math.inf)
+                or any(self._would_miss(r, before, after, aim, now) for r in running))
+        return not (hold and self._hold_can_end(request, scheduler, now, before))
 
     def forecast(self, batch: list[Request], model, now: float, y: DecodeYield = PLAIN) -> BatchForecast:
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py), in steps: a request
@@ -253,18 +259,56 @@ class SLOPolicy(FCFSPolicy):
             return forecast.mean_step_s(steps) / y.output_tokens
         return ((now - r.first_token_time) + forecast.time_s(steps)) / (r.num_output_tokens - 1 + remaining)
 
-    def prefill_is_urgent(self, request: Request, now: float) -> bool:
-        """Before its first token and past prefill_urgent_fraction of its TTFT allowance (deadline - arrival):
-        its prefill takes the step's time beyond the limit, or its TTFT miss is certain."""
+    def prefill_is_urgent(self, request: Request, scheduler: "Scheduler", now: float) -> bool:
+        """Before its first token and past prefill_urgent_fraction of its TTFT allowance: its prefill takes
+        the step's time beyond the limit, or its TTFT miss is certain."""
         if request.first_token_time is not None:
             return False
-        allowance = _deadline(request, self.config) - request.arrival_time
-        return now - request.arrival_time > self.config.prefill_urgent_fraction * allowance
+        return self._waited_past(request, scheduler, now, self.config.prefill_urgent_fraction)
 
-    def _urgent(self, r: Request, now: float) -> bool:
-        """r has used more than urgent_fraction of its TTFT allowance waiting."""
-        t = r.sampling_params.ttft_target_ms
-        return t is not None and now - r.arrival_time > self.config.urgent_fraction * t / 1e3
+    def prefill_floor(self, request: Request, scheduler: "Scheduler") -> int:
+        """A prompt whose TTFT allowance is short against its own prefill (under whole_prefill_ttft_ratio
+        times the prefill's predicted time) is not cut for the time limit: its pieces could not be spread
+        far (past prefill_urgent_fraction of the allowance the rest goes whole anyway), and each piece costs
+        a step that runs per op, so cutting would spend TTFT and compute for little TPOT."""
+        model = scheduler.step_model
+        target = request.sampling_params.ttft_target_ms
+        if target is None or request.first_token_time is not None or not model.is_fitted:
+            return 0
+        rest = request.num_tokens - request.num_computed_tokens
+        prefill_s = model.chunk_marginal(request.num_computed_tokens, rest)
+        tight = self._ttft_allowance_s(request, scheduler) < self.config.whole_prefill_ttft_ratio * prefill_s
+        return rest if tight else 0
+
+    def _urgent(self, r: Request, scheduler: "Scheduler", now: float) -> bool:
+        """r, with a TTFT target, has used more than urgent_fraction of its TTFT allowance waiting."""
+        return r.sampling_params.ttft_target_ms is not None and self._waited_past(
+            r, scheduler, now, self.config.urgent_fraction)
+
+    def _waited_past(self, r: Request, scheduler: "Scheduler", now: float, fraction: float) -> bool:
+        """r has waited more than `fraction` of its TTFT allowance (_ttft_allowance_s)."""
+        return now - r.arrival_time > fraction * self._ttft_allowance_s(r, scheduler)
+
+    def _ttft_allowance_s(self, r: Request, scheduler: "Scheduler") -> float:
+        """Seconds from r's arrival to the latest start of the step that computes the rest of its prompt
+        whole and still ends by its TTFT deadline (that step: a decode-only step of the running batch plus
+        the chunk, as the step-time model predicts). An allowance that ignored the prefill's own time would
+        let a short TTFT target (or a long prompt) go urgent only when its miss is already certain."""
+        model = scheduler.step_model
+        allowance = _deadline(r, self.config) - r.arrival_time
+        if model.is_fitted:
+            decode, _ = self._decode_only_s(scheduler.running, model, PLAIN)
+            allowance -= decode + model.chunk_marginal(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+        return max(allowance, 0.0)
+
+    def _hold_can_end(self, r: Request, scheduler: "Scheduler", now: float, before: BatchForecast) -> bool:
+        """Holding r back can end in a smaller batch: a running request is forecast to leave before r goes
+        urgent (urgent_fraction of its TTFT allowance), when it is admitted anyway. Otherwise the batch it
+        would join then is no smaller than now's, and holding it only spends its TTFT."""
+        if r.sampling_params.ttft_target_ms is None or not before.remaining:
+            return True
+        wait_left = self.config.urgent_fraction * self._ttft_allowance_s(r, scheduler) - (now - r.arrival_time)
+        return before.time_s(before.remaining[0]) < wait_left
 
     def steady_step_s(self, batch: list[Request], model, y: DecodeYield = PLAIN) -> float:
         """Predicted step time once `batch` decodes together (each request's new tokens as y says) while
