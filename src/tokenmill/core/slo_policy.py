@@ -58,9 +58,9 @@ class SLOPolicyConfig:
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
     urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT allowance is admitted
+    prefill_urgent_fraction: float = 0.75   # ... past this fraction, its prefill ignores the time limit
     whole_prefill_ttft_ratio: float = 3.5   # a prompt whose TTFT allowance is under this many times its
                                       # prefill's time is not cut for the time limit (prefill_floor)
-    prefill_urgent_fraction: float = 0.75   # ... past this fraction, its prefill ignores the time limit
     rate_window_s: float = 60.0       # arrival rate over this window (the forecast's future arrivals)
     rate_min_span_s: float = 10.0     # ... and over at least this span (a burst is not a rate)
     forecast_max_steps: int = 512     # a request's remaining tokens counted at most this far ahead
