@@ -73,12 +73,10 @@ def poisson_arrivals(qps: float, n: int, prompt_len: int, output_len: int, seed:
 EOS = 2
 
 
-def true_step_s(features, costs=TRUE_COSTS, per_op_overhead_s: float = 0.0) -> float:
-    """The fake platform's step time: linear in the features, plus per_op_overhead_s for a step with prefill
-    tokens (one that leaves a fused decode program: about 2-3 ms on this project's CPUs, which no feature
-    of the step-time model carries)."""
-    linear = StepTimeModel(prior=costs).predict(features)
-    return linear + (per_op_overhead_s if features.prefill_tokens else 0.0)
+def true_step_s(features, costs=TRUE_COSTS) -> float:
+    """The fake platform's step time: linear in the features (a step with prefill tokens pays
+    costs["per_prefill_step"] where given, as leaving a fused decode program does on this project's CPUs)."""
+    return StepTimeModel(prior=costs).predict(features)
 
 
 def _propose(s: Scheduler, k: int) -> None:
@@ -112,9 +110,8 @@ def _sampled(r: Request, output_len: int, num_drafts: int, spec: SimSpeculation 
 def simulate(arrivals: list[Arrival], policy: "str | SchedulingPolicy", max_num_seqs: int = 256, budget: int = 2048,
              num_blocks: int = 4096, block_size: int = 16, prior: dict | None = TRUE_COSTS,
              costs: dict = TRUE_COSTS, max_steps: int = 200_000, speculation: SimSpeculation | None = None,
-             rows: DecodeRows = PER_OP, per_op_overhead_s: float = 0.0) -> SimResult:
-    """rows: which steps the fake platform runs as decode rows (its costs and the policy's model both);
-    per_op_overhead_s: what a step with prefill tokens costs beyond the linear costs (true_step_s)."""
+             rows: DecodeRows = PER_OP) -> SimResult:
+    """rows: which steps the fake platform runs as decode rows (its costs and the policy's model both)."""
     clock = [0.0]
     model = StepTimeModel(prior=prior, rows=rows)
     s = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=1 << 16),
@@ -155,7 +152,7 @@ def simulate(arrivals: list[Arrival], policy: "str | SchedulingPolicy", max_num_
             _propose(s, k)
         out = s.schedule()
         features = step_features(out, rows)
-        dt = true_step_s(features, costs, per_op_overhead_s)
+        dt = true_step_s(features, costs)
         clock[0] += dt
         res.step_times_s.append(dt)
         model.observe(features, dt)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.request import Request
-from tokenmill.core.step_time import StepTimeModel
+from tokenmill.core.step_time import NO_WORK, StepFeatures, StepTimeModel
 
 if TYPE_CHECKING:
     from tokenmill.core.scheduler import Scheduler
@@ -25,12 +25,17 @@ class StepBudget:
     """What is left of one step. tokens: new tokens (decode tokens and prefill chunks); seconds: predicted
     step time left (inf: no time limit). A decode token is always granted while tokens are left (a running
     request never stalls); a prefill chunk is sized into the time left, but the step's first chunk may take
-    min_prefill_chunk tokens past it, so prefills always progress."""
+    min_prefill_chunk tokens past it, so prefills always progress. Each grant is charged what it adds to the
+    work granted so far (`step`): the step's first prefill chunk pays the model's per-step prefill costs
+    (per_prefill_step, and per_prefill_step_row for the decode rows granted before it), later ones only
+    their tokens."""
     tokens: int
     seconds: float = math.inf
     model: StepTimeModel | None = None
     min_prefill_chunk: int = 0
     prefill_granted: bool = False
+    step: StepFeatures = NO_WORK       # the work granted so far (kept only with a model)
+    _step_s: float | None = None       # its predicted time
 
     def grant(self, start_position: int, wanted: int, timeless: bool = False, floor: int = 0) -> int:
         """How many of `wanted` new tokens from start_position this step computes; charges them.
@@ -40,7 +45,7 @@ class StepBudget:
         if n <= 0:
             return 0
         if self.model is not None and math.isfinite(self.seconds) and n > 1 and not timeless:
-            fits = self.model.max_chunk(start_position, n, self.seconds)
+            fits = self.model.max_chunk(start_position, n, self.seconds, self.step)
             if fits < n and not self.prefill_granted:
                 fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
             n = fits
@@ -48,9 +53,25 @@ class StepBudget:
             return 0
         self.tokens -= n
         self.prefill_granted |= n > 1
-        if self.model is not None:
-            self.seconds -= self.model.chunk_marginal(start_position, n)
+        self._charge(start_position, n)
         return n
+
+    def _charge(self, start_position: int, n: int) -> None:
+        if self.model is not None:
+            self._move_to(self.step.plus(self.model.chunk_features(start_position, n)))
+
+    def _uncharge(self, start_position: int, n: int) -> None:
+        if self.model is not None:
+            self._move_to(self.step.minus(self.model.chunk_features(start_position, n)))
+
+    def _move_to(self, step: StepFeatures) -> None:
+        """The granted work becomes `step`: seconds change by the predicted difference (runs per grant, so
+        the current step's prediction is kept)."""
+        if self._step_s is None:
+            self._step_s = self.model.predict(self.step)
+        after = self.model.predict(step)
+        self.seconds -= after - self._step_s
+        self.step, self._step_s = step, after
 
     def grant_drafts(self, start_position: int, wanted: int) -> int:
         """How many of `wanted` draft tokens may follow the decode token granted at start_position: drafts
@@ -60,26 +81,24 @@ class StepBudget:
         if n <= 0:
             return 0
         if self.model is not None:
-            one = self.model.chunk_marginal(start_position, 1)
+            self._uncharge(start_position, 1)
             if math.isfinite(self.seconds):
-                n = max(self.model.max_chunk(start_position, 1 + n, self.seconds + one) - 1, 0)
-            if n:
-                self.seconds -= self.model.chunk_marginal(start_position, 1 + n) - one
+                n = max(self.model.max_chunk(start_position, 1 + n, self.seconds, self.step) - 1, 0)
+            self._charge(start_position, 1 + n)
         self.tokens -= n
         return n
 
     def refund_drafts(self, start_position: int, n: int) -> None:
         """Give back a grant_drafts that was not scheduled (no KV slots for it)."""
         self.tokens += n
-        if self.model is not None and n:
-            self.seconds += self.model.chunk_marginal(start_position, 1 + n) - \
-                self.model.chunk_marginal(start_position, 1)
+        if n:
+            self._uncharge(start_position, 1 + n)
+            self._charge(start_position, 1)
 
     def refund(self, start_position: int, n: int) -> None:
         """Give back a grant that was not scheduled (its request was preempted instead)."""
         self.tokens += n
-        if self.model is not None:
-            self.seconds += self.model.chunk_marginal(start_position, n)
+        self._uncharge(start_position, n)
 
 
 class SchedulingPolicy:

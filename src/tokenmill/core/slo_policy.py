@@ -172,10 +172,10 @@ class SLOPolicy(FCFSPolicy):
         """A decode-only step of `running` without drafts (the least a step computes: drafts are granted
         last, from the time a step has left), and the least time per output token of decode-only steps:
         that step's, or one with drafts as y says over what it yields, where speculation pays."""
-        positions = sum(q.num_tokens - 1 for q in running)
-        plain = model.predict(PLAIN.features(len(running), positions))
+        plain = model.predict(SLOPolicy._decode_only_step(running))
         if y == PLAIN:
             return plain, plain
+        positions = sum(q.num_tokens - 1 for q in running)
         return plain, min(plain, model.predict(y.features(len(running), positions)) / y.output_tokens)
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
@@ -268,15 +268,17 @@ class SLOPolicy(FCFSPolicy):
 
     def prefill_floor(self, request: Request, scheduler: "Scheduler") -> int:
         """A prompt whose TTFT allowance is short against its own prefill (under whole_prefill_ttft_ratio
-        times the prefill's predicted time) is not cut for the time limit: its pieces could not be spread
-        far (past prefill_urgent_fraction of the allowance the rest goes whole anyway), and each piece costs
-        a step that runs per op, so cutting would spend TTFT and compute for little TPOT."""
+        times what the prefill adds to a decode-only step, the per-step prefill costs included) is not cut
+        for the time limit: its pieces could not be spread far (past prefill_urgent_fraction of the
+        allowance the rest goes whole anyway), each piece pays the per-step prefill costs, and spreading a
+        prefill lowers no request's mean TPOT unless that request leaves within the spread, so cutting would
+        spend TTFT and compute for little TPOT."""
         model = scheduler.step_model
         target = request.sampling_params.ttft_target_ms
         if target is None or request.first_token_time is not None or not model.is_fitted:
             return 0
         rest = request.num_tokens - request.num_computed_tokens
-        prefill_s = model.chunk_marginal(request.num_computed_tokens, rest)
+        prefill_s = model.chunk_marginal(request.num_computed_tokens, rest, self._decode_only_step(scheduler.running))
         tight = self._ttft_allowance_s(request, scheduler) < self.config.whole_prefill_ttft_ratio * prefill_s
         return rest if tight else 0
 
@@ -297,9 +299,14 @@ class SLOPolicy(FCFSPolicy):
         model = scheduler.step_model
         allowance = _deadline(r, self.config) - r.arrival_time
         if model.is_fitted:
-            decode, _ = self._decode_only_s(scheduler.running, model, PLAIN)
-            allowance -= decode + model.chunk_marginal(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+            allowance -= model.predict(self._decode_only_step(scheduler.running).plus(
+                model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)))
         return max(allowance, 0.0)
+
+    @staticmethod
+    def _decode_only_step(running: list[Request]) -> StepFeatures:
+        """A decode-only step of `running`, one token each."""
+        return PLAIN.features(len(running), sum(q.num_tokens - 1 for q in running))
 
     def _hold_can_end(self, r: Request, scheduler: "Scheduler", now: float, before: BatchForecast) -> bool:
         """Holding r back can end in a smaller batch: a running request is forecast to leave before r goes
@@ -314,15 +321,17 @@ class SLOPolicy(FCFSPolicy):
         """Predicted step time once `batch` decodes together (each request's new tokens as y says) while
         carrying its share of prefill: as many prompt tokens per step as the batch's prompt-to-output ratio
         says keep arrivals and departures even at y.output_tokens output tokens a request per step (output:
-        each request's tokens so far plus its expected remaining ones)."""
+        each request's tokens so far plus its expected remaining ones), each prompt whole in one step (so
+        that share of prompts, at most 1, is the share of steps paying per_prefill_step)."""
         n = len(batch)
         prompt = sum(r.num_prompt_tokens for r in batch)
         output = sum(r.num_output_tokens + self.remaining_mean(r, r.max_tokens) for r in batch)
         prefill_per_step = n * y.output_tokens * prompt / output
         decode = y.features(n, sum(r.num_tokens - 1 for r in batch))
         reads = decode.context_reads + prefill_per_step * (prompt / n) / 2
+        prefill_steps = max(min(prefill_per_step * n / prompt, 1.0), decode.prefill_steps) if prompt else 0.0
         return model.predict(StepFeatures(decode.decode_rows, decode.prefill_tokens + round(prefill_per_step),
-                                          round(reads)))
+                                          round(reads), prefill_steps))
 
     def pick_victim(self, running: list[Request]) -> Request:
         return max(running, key=lambda r: _deadline(r, self.config))

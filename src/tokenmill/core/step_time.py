@@ -2,6 +2,7 @@
 
     step_s = intercept + per_decode_row * decode_rows + per_prefill_token * prefill_tokens
              + per_context_read * context_reads
+             + (per_prefill_step + per_prefill_step_row * decode_rows) * prefill_steps
 
 - decode_rows: new tokens computed as decode rows: a request's one new token (a decode), and, in a step the
   platform's fused decode program runs, each of a request's few new tokens after its cached context (a
@@ -9,7 +10,12 @@
 - prefill_tokens: new tokens of every other scheduled request (prefill chunks; verify tokens in a step that
   runs per op);
 - context_reads: (query token, cached key) pairs attention reads, sum over every new token of its position + 1
-  (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2).
+  (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2);
+- prefill_steps: 1 for a step with prefill tokens, else 0 (a steady-state mean step: the fraction of steps
+  that carry one). Such a step runs per op where the platform has a fused decode program (CPU), or leaves
+  the captured graph (CUDA): a fixed cost, and a cost per decode row, beyond the fused step's (on this
+  project's CPUs, int4: about 0.8 ms and 0.18 ms a row, so 3 ms at 12 decode rows, whatever the prefill's
+  size). It is what makes a prompt cut into many small pieces cost more than the sum of its tokens.
 
 A step's time is its period, what a decoding request's TPOT is made of: from its start to the next step's
 start while requests remain (output processing and streaming included), its own time before the engine
@@ -19,6 +25,7 @@ steps of one shape do not swing the coefficients of the others. Coefficients are
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,18 +33,45 @@ import numpy as np
 
 from tokenmill.core.messages import SchedulerOutput
 
-FEATURE_NAMES = ("intercept", "per_decode_row", "per_prefill_token", "per_context_read")
-_SCALE = np.array([1.0, 1.0, 1.0, 1e-3])     # context reads enter in thousands (conditioning)
+FEATURE_NAMES = ("intercept", "per_decode_row", "per_prefill_token", "per_context_read", "per_prefill_step",
+                 "per_prefill_step_row")
+_SCALE = np.array([1.0, 1.0, 1.0, 1e-3, 1.0, 1.0])     # context reads enter in thousands (conditioning)
+_N = len(FEATURE_NAMES)
 
 
 @dataclass(frozen=True)
 class StepFeatures:
+    """What one step computes. prefill_steps: None means what a real step has, 1 if it has prefill tokens
+    else 0 (set on construction); a float in [0, 1] only for a forecast's mean step."""
     decode_rows: int = 0
     prefill_tokens: int = 0
     context_reads: int = 0
+    prefill_steps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_steps is None:
+            object.__setattr__(self, "prefill_steps", 1.0 if self.prefill_tokens > 0 else 0.0)
+
+    def values(self) -> tuple[float, ...]:
+        """The regressors, in FEATURE_NAMES's order (unscaled)."""
+        return (1.0, self.decode_rows, self.prefill_tokens, self.context_reads, self.prefill_steps,
+                self.decode_rows * self.prefill_steps)
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.decode_rows, self.prefill_tokens, self.context_reads]) * _SCALE
+        return np.array(self.values()) * _SCALE
+
+    def plus(self, other: "StepFeatures") -> "StepFeatures":
+        """A real step with other's work added (prefill_steps as a real step's)."""
+        return StepFeatures(self.decode_rows + other.decode_rows, self.prefill_tokens + other.prefill_tokens,
+                            self.context_reads + other.context_reads)
+
+    def minus(self, other: "StepFeatures") -> "StepFeatures":
+        """A real step with other's work (a part of it) taken out."""
+        return StepFeatures(self.decode_rows - other.decode_rows, self.prefill_tokens - other.prefill_tokens,
+                            self.context_reads - other.context_reads)
+
+
+NO_WORK = StepFeatures()
 
 
 @dataclass(frozen=True)
@@ -101,8 +135,8 @@ class StepTimeModel:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay, self.prior_weight = decay, prior_weight
         self.rows = rows                           # which new tokens the engine's platform runs as decode rows
-        self._gram = np.zeros((4, 4))              # sum of w * x x^T
-        self._moment = np.zeros(4)                 # sum of w * x y
+        self._gram = np.zeros((_N, _N))              # sum of w * x x^T
+        self._moment = np.zeros(_N)                 # sum of w * x y
         self.num_observations = 0
         self.set_prior(prior)
 
@@ -129,18 +163,19 @@ class StepTimeModel:
         # the pull scales with each feature's typical magnitude so that it means "rho observations"
         diag = np.maximum(np.diag(self._gram) / max(self._weight(), 1e-9), 1e-6)
         penalty = rho * np.diag(diag)
-        active = np.ones(4, dtype=bool)            # coefficients not clamped at zero
-        theta = np.zeros(4)
-        for _ in range(4):
+        active = np.ones(_N, dtype=bool)           # coefficients not clamped at zero
+        theta = np.zeros(_N)
+        for _ in range(_N):
             a = (self._gram + penalty)[np.ix_(active, active)]
             b = (self._moment + penalty @ theta0)[active]
-            theta = np.zeros(4)
+            theta = np.zeros(_N)
             theta[active] = np.linalg.lstsq(a, b, rcond=None)[0]
             negative = theta < 0
             if not negative.any():
                 break
             active &= ~negative
         self._theta = np.maximum(theta, 0.0)
+        self._coeffs = tuple(float(v) for v in self._theta * _SCALE)     # seconds per unscaled feature
         self._stale = False
 
     @property
@@ -158,8 +193,15 @@ class StepTimeModel:
     # ---- predictions ------------------------------------------------------------------------------
     @property
     def coefficients(self) -> dict[str, float]:
-        """Seconds per unit: intercept (s), per decode row, per prefill token, per context read."""
-        return {k: float(v) for k, v in zip(FEATURE_NAMES, self.theta * _SCALE)}
+        """Seconds per unit: intercept (s), per decode row, per prefill token, per context read; per step
+        with prefill tokens, and per decode row of such a step (beyond per_decode_row)."""
+        return dict(zip(FEATURE_NAMES, self._unscaled()))
+
+    def _unscaled(self) -> tuple[float, ...]:
+        """The coefficients in seconds per unscaled feature (kept with the fit: predict runs per grant)."""
+        if self._stale:
+            self._refit()
+        return self._coeffs
 
     @property
     def is_fitted(self) -> bool:
@@ -167,7 +209,7 @@ class StepTimeModel:
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds (>= 0)."""
-        return max(float(features.vector() @ self.theta), 0.0)
+        return max(sum(c * x for c, x in zip(self._unscaled(), features.values())), 0.0)
 
     def chunk_features(self, start_position: int, num_new_tokens: int) -> StepFeatures:
         """chunk_features under this model's DecodeRows."""
@@ -177,29 +219,32 @@ class StepTimeModel:
         """step_features under this model's DecodeRows."""
         return step_features(sched_out, self.rows)
 
-    def chunk_marginal(self, start_position: int, num_new_tokens: int) -> float:
-        """The marginal time of computing num_new_tokens from start_position (in a step that qualifies for
-        the fused decode program where the chunk does: what a budget charges before the step is whole)."""
-        return self.marginal(self.chunk_features(start_position, num_new_tokens))
+    def chunk_marginal(self, start_position: int, num_new_tokens: int, step: StepFeatures = NO_WORK) -> float:
+        """The time computing num_new_tokens from start_position adds to a step that already has `step`'s
+        work (in a step that qualifies for the fused decode program where the chunk does: what a budget
+        charges before the step is whole). A step's first prefill chunk adds per_prefill_step and the per-op
+        cost of the step's decode rows; a later one adds only its tokens."""
+        return self.marginal(self.chunk_features(start_position, num_new_tokens), step)
 
-    def marginal(self, features: StepFeatures) -> float:
-        """Predicted time this work adds to a step that already runs (the intercept excluded)."""
-        x = features.vector()
-        x[0] = 0.0
-        return max(float(x @ self.theta), 0.0)
+    def marginal(self, features: StepFeatures, step: StepFeatures = NO_WORK) -> float:
+        """Predicted time `features`' work adds to a step that already has `step`'s (the intercept excluded)."""
+        return max(self.predict(step.plus(features)) - self.predict(step), 0.0)
 
-    def max_chunk(self, start_position: int, remaining: int, seconds: float) -> int:
-        """The most new tokens (<= remaining) from start_position whose marginal time fits in seconds."""
+    def max_chunk(self, start_position: int, remaining: int, seconds: float, step: StepFeatures = NO_WORK) -> int:
+        """The most new tokens (<= remaining) from start_position whose marginal time (chunk_marginal) fits
+        in seconds."""
         if remaining <= 0 or seconds <= 0:
             return 0
-        if self.chunk_marginal(start_position, remaining) <= seconds:
+        fits = lambda n: self.chunk_marginal(start_position, n, step) <= seconds
+        if fits(remaining):
             return remaining
         # marginal time grows with the chunk, save where it crosses from decode rows to prefill tokens
-        # (DecodeRows.max_query_len): bisect, which there may find a fitting count short of the largest
+        # (DecodeRows.max_query_len, where per_prefill_step also starts): bisect, which there may find a
+        # fitting count short of the largest
         lo, hi = 0, remaining
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.chunk_marginal(start_position, mid) <= seconds else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
     def describe(self) -> dict:
@@ -208,6 +253,8 @@ class StepTimeModel:
         return {"intercept_ms": 1e3 * c["intercept"], "per_decode_row_ms": 1e3 * c["per_decode_row"],
                 "per_prefill_token_ms": 1e3 * c["per_prefill_token"],
                 "per_1k_context_reads_ms": 1e6 * c["per_context_read"],
+                "per_prefill_step_ms": 1e3 * c["per_prefill_step"],
+                "per_prefill_step_row_ms": 1e3 * c["per_prefill_step_row"],
                 "observations": self.num_observations, "prior": dict(self.prior),
                 "decode_rows": {"max_query_len": self.rows.max_query_len, "max_rows": self.rows.max_rows},
                 "coefficients": self.coefficients}
@@ -216,14 +263,24 @@ class StepTimeModel:
 def server_bound(model: StepTimeModel, prompt_len: float, output_len: float, tpot_limit_s: float) -> dict:
     """The best output tokens/s the model allows with every step within tpot_limit_s, for requests of
     prompt_len -> output_len tokens in steady state: N decode rows per step, each step also carrying its
-    share of prefill (N * prompt_len / output_len tokens) and its attention reads. A step of N rows costs
-    intercept + k * N, so N = (limit - intercept) / k rows and N / limit tokens/s; 1 / k is the same model's
-    limit for an unbounded batch (no latency limit)."""
+    share of prefill (N * prompt_len / output_len tokens) and its attention reads, and N / output_len
+    prompts starting a step, each in the first step after it arrives (so a fraction f = min(1, N /
+    output_len) of steps carries prefill and pays the per-step prefill costs). N solves
+    intercept + k * N + (per_prefill_step + per_prefill_step_row * N) * f = limit, and N / limit is the
+    bound in tokens/s; 1 / k is the same model's limit for an unbounded batch (no latency limit)."""
     c = model.coefficients
     p, d = float(prompt_len), max(float(output_len), 1.0)
     reads_per_row = p + d / 2 + (p / d) * p / 2
     k = c["per_decode_row"] + c["per_prefill_token"] * p / d + c["per_context_read"] * reads_per_row
-    rows = max(tpot_limit_s - c["intercept"], 0.0) / k if k > 0 else float("inf")
+    room, o, o_row = max(tpot_limit_s - c["intercept"], 0.0), c["per_prefill_step"], c["per_prefill_step_row"]
+    if k <= 0:
+        rows = float("inf")
+    else:
+        b = k + o / d                                  # fewer than one prompt a step (N < d): a quadratic
+        a = o_row / d
+        rows = room / b if a == 0 else (math.sqrt(b * b + 4 * a * room) - b) / (2 * a)
+        if rows >= d:                                  # every step carries a prompt
+            rows = max(room - o, 0.0) / (k + o_row)
     return {"rows": rows, "tokens_per_s": rows / tpot_limit_s,
             "unbounded_batch_tokens_per_s": 1.0 / k if k > 0 else float("inf"),
             "step_s": tpot_limit_s, "prompt_len": p, "output_len": d}

@@ -21,10 +21,18 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
-# (requests, prompt tokens, output tokens): decode batches of several sizes, then prefill-heavy shapes
-PHASES = ((1, 32, 6), (4, 32, 6), (16, 32, 6), (24, 16, 6), (1, 512, 2), (1, 128, 2))
+# (requests, prompt tokens, output tokens): decode batches of several sizes, then prefill-heavy shapes, then
+# short prompts (8 to 48 tokens, each a prefill step of a few ms) beside the long ones (128, 512): their
+# repeats tell the fixed cost of a step carrying prefill (per_prefill_step) from the per-token one, within
+# the noise of the long steps
+PHASES = ((1, 32, 6), (4, 32, 6), (16, 32, 6), (24, 16, 6), (1, 512, 2), (1, 128, 2)) \
+    + ((1, 8, 2), (2, 8, 2), (1, 16, 2), (1, 48, 2)) * 2
+# (decoding requests, a joining prompt's tokens): a prompt arriving while a batch decodes, so that one step
+# carries both (what per_prefill_step_row, the per-op cost of decode rows in such a step, is fit on)
+MIXED_PHASES = ((4, 16), (12, 16), (24, 16), (12, 48), (24, 8)) * 2
+_MIXED_DECODE = (16, 8)                                # the decoding requests' prompt and output tokens
 WARMUP = (2, 16, 3)
-CACHE_VERSION = 1
+CACHE_VERSION = 2                                      # 2: the per-step prefill terms
 
 
 def cache_root() -> str:
@@ -109,6 +117,9 @@ def calibrate(core) -> dict[str, float]:
         for i, phase in enumerate(PHASES):
             if _fits(core, *phase):
                 _run_phase(core, *phase, rng, str(i))
+        for i, (decoders, joiner) in enumerate(MIXED_PHASES):
+            if _fits(core, decoders + 1, max(joiner, _MIXED_DECODE[0]), _MIXED_DECODE[1]):
+                _run_phase(core, decoders, *_MIXED_DECODE, rng, f"m{i}", joiner=joiner)
     coeffs = fitted.coefficients
     core.replace_step_model(StepTimeModel(prior=coeffs))
     core.kv.prefix_queries_tokens, core.kv.prefix_hits_tokens = kv_counters
@@ -122,12 +133,22 @@ def _fits(core, num_requests: int, prompt_len: int, output_len: int) -> bool:
             and num_requests * (prompt_len + output_len + core.kv.block_size) <= capacity)
 
 
-def _run_phase(core, num_requests: int, prompt_len: int, output_len: int, rng: random.Random, tag: str) -> None:
-    vocab = core.config.model.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+def _run_phase(core, num_requests: int, prompt_len: int, output_len: int, rng: random.Random, tag: str,
+               joiner: int = 0) -> None:
+    """num_requests prompts of prompt_len random tokens, each run to output_len tokens; joiner > 0: a
+    prompt of that many tokens (2 output tokens) added once they decode, so one step carries both."""
     for j in range(num_requests):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        core.add_request(Request(f"__calibration-{tag}-{j}", prompt, params))
+        core.add_request(_request(core, f"{tag}-{j}", prompt_len, output_len, rng))
+    if joiner:
+        core.step()                                    # their prefill, then a decode-only step
+        core.step()
+        core.add_request(_request(core, f"{tag}-join", joiner, 2, rng))
     while core.has_unfinished():
         core.step()
     core.step()                                        # hands the finished ids to the runner
+
+
+def _request(core, tag: str, prompt_len: int, output_len: int, rng: random.Random) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    prompt = [rng.randrange(core.config.model.vocab_size) for _ in range(prompt_len)]
+    return Request(f"__calibration-{tag}", prompt, params)
