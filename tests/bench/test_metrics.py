@@ -98,7 +98,7 @@ def test_the_step_time_model_is_read_from_a_tokenmill_servers_metrics():
     model = step_time_model_from_metrics(text)
     assert model["coefficients"]["intercept"] == 0.05 and model["observations"] == 42
     assert model["per_1k_context_reads_ms"] == pytest.approx(1.0) and model["replicas"] == 1
-    assert model["coefficients"]["per_prefill_step"] == model["coefficients"]["per_prefill_step_row"] == 0.0
+    assert model["coefficients"]["per_prefill_step"] == model["coefficients"]["per_mixed_step"] == 0.0
     with_step = step_time_model_from_metrics(
         text + '\ntokenmill:step_time_model_seconds{model_name="m",term="per_prefill_step"} 0.003')
     assert with_step["per_prefill_step_ms"] == pytest.approx(3.0)
@@ -139,9 +139,9 @@ def test_the_report_says_when_verify_tokens_count_as_decode_rows():
     assert "decode rows:" not in _step_model_lines(model)[0]
     assert "decode rows:" not in _step_model_lines({**model, "decode_rows": {"max_query_len": 1, "max_rows": 0}})[0]
     fused = _step_model_lines({**model, "decode_rows": {"max_query_len": 17, "max_rows": 4096}})[0]
-    assert "a step with prefill: n/a ms + n/a ms/decode row" in fused
-    assert "a step with prefill: 0.80 ms + 0.180 ms/decode row" in _step_model_lines(
-        {**model, "per_prefill_step_ms": 0.8, "per_prefill_step_row_ms": 0.18})[0]
+    assert "a step with prefill: n/a ms, n/a ms more beside decode rows" in fused
+    assert "a step with prefill: 2.50 ms, 2.20 ms more beside decode rows" in _step_model_lines(
+        {**model, "per_prefill_step_ms": 2.5, "per_mixed_step_ms": 2.2})[0]
     assert "up to 17 new tokens" in fused and "verify steps included" in fused
 
 

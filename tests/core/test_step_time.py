@@ -12,7 +12,7 @@ from tokenmill.core.step_time import (PER_OP, DecodeRows, StepFeatures, StepTime
 from tokenmill.sampling_params import SamplingParams
 
 COSTS = {"intercept": 0.012, "per_decode_row": 0.004, "per_prefill_token": 0.0015, "per_context_read": 2e-7,
-         "per_prefill_step": 0.003, "per_prefill_step_row": 0.0005}
+         "per_prefill_step": 0.003, "per_mixed_step": 0.002}
 
 
 def _sr(start: int, n: int) -> ScheduledRequest:
@@ -119,21 +119,25 @@ def test_bad_observations_are_ignored():
 
 
 def test_a_step_with_prefill_tokens_pays_the_per_step_prefill_costs_once():
-    """Features: 1 prefill step for any prefill tokens (a forecast's mean step may give a fraction). A
-    chunk's marginal time is what it adds to the work a step has: the step's first prefill chunk adds
-    per_prefill_step and per_prefill_step_row for each decode row there, a later one only its tokens; decode
-    rows alone never pay them. A budget charges grants so, and a refund gives back what the grant added."""
-    assert StepFeatures(3, 0, 10).prefill_steps == 0.0 and StepFeatures(3, 2, 10).prefill_steps == 1.0
-    assert StepFeatures(3, 2, 10, prefill_steps=0.25).values()[4:] == (0.25, 0.75)
+    """Features: 1 prefill step for any prefill tokens, 1 mixed step where decode rows run beside them (a
+    forecast's mean step may give a fraction). A chunk's marginal time is what it adds to the work a step
+    has: the step's first prefill chunk adds per_prefill_step, and per_mixed_step beside decode rows, a later
+    one only its tokens; decode rows alone pay neither, a first decode row beside prefill pays
+    per_mixed_step. A budget charges grants so, and a refund gives back what the grant added."""
+    assert StepFeatures(3, 0, 10).values()[4:] == (0.0, 0.0) and StepFeatures(3, 2, 10).values()[4:] == (1.0, 1.0)
+    assert StepFeatures(0, 2, 10).values()[4:] == (1.0, 0.0)
+    assert StepFeatures(3, 2, 10, prefill_steps=0.25).values()[4:] == (0.25, 0.25)
     assert step_features(SchedulerOutput([_sr(9, 1), _sr(0, 4)])).prefill_steps == 1.0
     model, c = StepTimeModel(prior=COSTS), COSTS
     tokens_only = 20 * c["per_prefill_token"] + (20 * 100 + 210) * c["per_context_read"]
     decodes = StepFeatures(8, 0, 800)
     assert model.chunk_marginal(100, 20) == pytest.approx(tokens_only + c["per_prefill_step"])
     assert model.chunk_marginal(100, 20, decodes) == pytest.approx(
-        tokens_only + c["per_prefill_step"] + 8 * c["per_prefill_step_row"])
+        tokens_only + c["per_prefill_step"] + c["per_mixed_step"])
     assert model.chunk_marginal(100, 20, decodes.plus(StepFeatures(0, 5, 15))) == pytest.approx(tokens_only)
-    assert model.chunk_marginal(100, 1, decodes) == pytest.approx(c["per_decode_row"] + 101 * c["per_context_read"])
+    one_row = c["per_decode_row"] + 101 * c["per_context_read"]
+    assert model.chunk_marginal(100, 1, decodes) == pytest.approx(one_row)
+    assert model.chunk_marginal(100, 1, StepFeatures(0, 5, 15)) == pytest.approx(one_row + c["per_mixed_step"])
     fused = StepTimeModel(prior=COSTS, rows=DecodeRows(17, 64))
     assert fused.chunk_marginal(100, 5, decodes) == pytest.approx(5 * c["per_decode_row"] + 515 * c["per_context_read"])
     # the largest chunk that fits, with and without the per-step costs still to pay
@@ -151,29 +155,30 @@ def test_a_step_with_prefill_tokens_pays_the_per_step_prefill_costs_once():
 
 def test_the_fit_tells_the_per_step_costs_from_the_per_token_one():
     """Prefill steps of 8 to 512 tokens, alone and beside decode batches (the calibration's shapes),
-    separate per_prefill_step and per_prefill_step_row from the per-token and per-row costs, so a small
-    piece is priced as what it costs."""
-    rng, truth, model = random.Random(3), StepTimeModel(prior=COSTS), StepTimeModel()
+    separate per_prefill_step and per_mixed_step from the per-token and per-row costs, so a small piece is
+    priced as what it costs. (decay 1: the calibration's fit, every step counted alike.)"""
+    rng, truth, model = random.Random(3), StepTimeModel(prior=COSTS), StepTimeModel(decay=1.0)
     for _ in range(300):
-        rows, prefill = rng.randrange(0, 24), rng.choice([0, 0, 0, 8, 16, 32, 128, 512])
+        rows = 0 if rng.random() < 0.3 else rng.randrange(1, 24)     # prefill alone, or beside decodes
+        prefill = rng.choice([0, 0, 0, 8, 16, 32, 128, 512])
         f = StepFeatures(rows, prefill, rows * 100 + prefill * prefill // 2)
         model.observe(f, truth.predict(f) * rng.uniform(0.98, 1.02))
     assert model.coefficients["per_prefill_step"] == pytest.approx(COSTS["per_prefill_step"], rel=0.25)
-    assert model.coefficients["per_prefill_step_row"] == pytest.approx(COSTS["per_prefill_step_row"], rel=0.25)
+    assert model.coefficients["per_mixed_step"] == pytest.approx(COSTS["per_mixed_step"], rel=0.25)
     decodes = StepFeatures(12, 0, 1200)
     assert model.chunk_marginal(0, 16, decodes) == pytest.approx(truth.chunk_marginal(0, 16, decodes), rel=0.1)
 
 
 @pytest.mark.parametrize("prompt_len, output_len", [(16, 4), (128, 512)])
 def test_the_server_bound_fills_the_tpot_limit_with_its_steady_step(prompt_len, output_len):
-    """server_bound's N rows: intercept + k * N + (per_prefill_step + per_prefill_step_row * N) * f = the
-    limit, f = min(1, N / output_len) (a short output: every step carries a prompt; a long one: a fraction of
-    steps does)."""
+    """server_bound's N rows: intercept + k * N + (per_prefill_step + per_mixed_step) * f = the limit,
+    f = min(1, N / output_len) (a short output: every step carries a prompt; a long one: a fraction of steps
+    does)."""
     model, c, p, d, limit = StepTimeModel(prior=COSTS), COSTS, prompt_len, output_len, 0.1
     bound = server_bound(model, p, d, limit)
     n = bound["rows"]
     k = c["per_decode_row"] + c["per_prefill_token"] * p / d + c["per_context_read"] * (p + d / 2 + (p / d) * p / 2)
-    per_step = c["per_prefill_step"] + c["per_prefill_step_row"] * n
+    per_step = c["per_prefill_step"] + c["per_mixed_step"]
     assert c["intercept"] + k * n + per_step * min(1.0, n / d) == pytest.approx(limit)
     assert bound["tokens_per_s"] == pytest.approx(n / limit)
     assert (n >= d) == (output_len == 4)

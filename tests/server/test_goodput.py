@@ -77,7 +77,7 @@ def test_metrics_show_the_step_time_model_of_an_slo_server(tiny_model_dir, tmp_p
         lines = [l for l in client.get("/metrics").text.splitlines() if l.startswith("tokenmill:step_time_model")]
         terms = {l.split('term="')[1].split('"')[0]: float(l.split()[-1]) for l in lines if "term=" in l}
         assert set(terms) == {"intercept", "per_decode_row", "per_prefill_token", "per_context_read",
-                              "per_prefill_step", "per_prefill_step_row"}
+                              "per_prefill_step", "per_mixed_step"}
         assert terms["intercept"] > 0 and all(v >= 0 for v in terms.values())
         observed = [float(l.split()[-1]) for l in lines if l.startswith("tokenmill:step_time_model_observations")]
         assert observed and observed[0] >= 4

@@ -95,7 +95,7 @@ def _step_model_lines(s: dict) -> list[str]:
             f"{_fmt(s.get('intercept_ms'), 2)} ms + {_fmt(s.get('per_decode_row_ms'), 3)} ms/decode row + "
             f"{_fmt(s.get('per_prefill_token_ms'), 3)} ms/prefill token + "
             f"{_fmt(s.get('per_1k_context_reads_ms'), 3)} ms/1k context reads + a step with prefill: "
-            f"{_fmt(s.get('per_prefill_step_ms'), 2)} ms + {_fmt(s.get('per_prefill_step_row_ms'), 3)} ms/decode row"
+            f"{_fmt(s.get('per_prefill_step_ms'), 2)} ms, {_fmt(s.get('per_mixed_step_ms'), 2)} ms more beside decode rows"
             + _decode_rows_text(s.get("decode_rows"))] + _decode_yield_lines(s.get("decode_yield"))
 
 

@@ -164,13 +164,13 @@ def step_time_model_from_metrics(text: str) -> dict | None:
             replicas = int(float(line.rsplit(" ", 1)[1]))
     if not {"intercept", "per_decode_row", "per_prefill_token", "per_context_read"} <= set(coeffs):
         return None
-    for term in ("per_prefill_step", "per_prefill_step_row"):
+    for term in ("per_prefill_step", "per_mixed_step"):
         coeffs.setdefault(term, 0.0)                   # a server from before these terms
     return {"coefficients": coeffs, "intercept_ms": 1e3 * coeffs["intercept"],
             "per_decode_row_ms": 1e3 * coeffs["per_decode_row"], "per_prefill_token_ms": 1e3 * coeffs["per_prefill_token"],
             "per_1k_context_reads_ms": 1e6 * coeffs["per_context_read"],
             "per_prefill_step_ms": 1e3 * coeffs["per_prefill_step"],
-            "per_prefill_step_row_ms": 1e3 * coeffs["per_prefill_step_row"], "observations": observations,
+            "per_mixed_step_ms": 1e3 * coeffs["per_mixed_step"], "observations": observations,
             "replicas": replicas, "source": "server /metrics", "policy": "server's",
             "decode_yield": decode_yield if {"new_tokens", "output_tokens"} <= set(decode_yield) else None}
 

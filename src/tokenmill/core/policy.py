@@ -27,7 +27,7 @@ class StepBudget:
     request never stalls); a prefill chunk is sized into the time left, but the step's first chunk may take
     min_prefill_chunk tokens past it, so prefills always progress. Each grant is charged what it adds to the
     work granted so far (`step`): the step's first prefill chunk pays the model's per-step prefill costs
-    (per_prefill_step, and per_prefill_step_row for the decode rows granted before it), later ones only
+    (per_prefill_step, and per_mixed_step where decode rows were granted before it), later ones only
     their tokens."""
     tokens: int
     seconds: float = math.inf

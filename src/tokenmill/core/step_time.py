@@ -2,7 +2,7 @@
 
     step_s = intercept + per_decode_row * decode_rows + per_prefill_token * prefill_tokens
              + per_context_read * context_reads
-             + (per_prefill_step + per_prefill_step_row * decode_rows) * prefill_steps
+             + per_prefill_step * prefill_steps + per_mixed_step * mixed_steps
 
 - decode_rows: new tokens computed as decode rows: a request's one new token (a decode), and, in a step the
   platform's fused decode program runs, each of a request's few new tokens after its cached context (a
@@ -11,11 +11,12 @@
   runs per op);
 - context_reads: (query token, cached key) pairs attention reads, sum over every new token of its position + 1
   (a decode at context c reads c; a chunk of n tokens from position s reads n * s + n * (n + 1) / 2);
-- prefill_steps: 1 for a step with prefill tokens, else 0 (a steady-state mean step: the fraction of steps
-  that carry one). Such a step runs per op where the platform has a fused decode program (CPU), or leaves
-  the captured graph (CUDA): a fixed cost, and a cost per decode row, beyond the fused step's (on this
-  project's CPUs, int4: about 0.8 ms and 0.18 ms a row, so 3 ms at 12 decode rows, whatever the prefill's
-  size). It is what makes a prompt cut into many small pieces cost more than the sum of its tokens.
+- prefill_steps: 1 for a step with prefill tokens, else 0; mixed_steps: 1 for a step with prefill tokens and
+  decode rows, else 0 (a steady-state mean step: the fraction of steps that carry prefill). Such a step
+  runs per op where the platform has a fused decode program (CPU), or leaves the captured graph (CUDA): a
+  fixed cost whatever the prefill's size, more where decode rows run beside it (on this project's CPUs,
+  int4, steps of 0-32 decode rows and 8-128 prefill tokens: about 2.5 ms, and 2.2 ms more for a mixed
+  step). It is what makes a prompt cut into many small pieces cost more than the sum of its tokens.
 
 A step's time is its period, what a decoding request's TPOT is made of: from its start to the next step's
 start while requests remain (output processing and streaming included), its own time before the engine
@@ -34,7 +35,7 @@ import numpy as np
 from tokenmill.core.messages import SchedulerOutput
 
 FEATURE_NAMES = ("intercept", "per_decode_row", "per_prefill_token", "per_context_read", "per_prefill_step",
-                 "per_prefill_step_row")
+                 "per_mixed_step")
 _SCALE = np.array([1.0, 1.0, 1.0, 1e-3, 1.0, 1.0])     # context reads enter in thousands (conditioning)
 _N = len(FEATURE_NAMES)
 
@@ -42,7 +43,8 @@ _N = len(FEATURE_NAMES)
 @dataclass(frozen=True)
 class StepFeatures:
     """What one step computes. prefill_steps: None means what a real step has, 1 if it has prefill tokens
-    else 0 (set on construction); a float in [0, 1] only for a forecast's mean step."""
+    else 0 (set on construction); a float in [0, 1] only for a forecast's mean step. A step is mixed as
+    often as it carries prefill if it has decode rows."""
     decode_rows: int = 0
     prefill_tokens: int = 0
     context_reads: int = 0
@@ -55,7 +57,7 @@ class StepFeatures:
     def values(self) -> tuple[float, ...]:
         """The regressors, in FEATURE_NAMES's order (unscaled)."""
         return (1.0, self.decode_rows, self.prefill_tokens, self.context_reads, self.prefill_steps,
-                self.decode_rows * self.prefill_steps)
+                self.prefill_steps if self.decode_rows > 0 else 0.0)
 
     def vector(self) -> np.ndarray:
         return np.array(self.values()) * _SCALE
@@ -194,7 +196,7 @@ class StepTimeModel:
     @property
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit: intercept (s), per decode row, per prefill token, per context read; per step
-        with prefill tokens, and per decode row of such a step (beyond per_decode_row)."""
+        with prefill tokens, and per such step with decode rows too (beyond per_prefill_step)."""
         return dict(zip(FEATURE_NAMES, self._unscaled()))
 
     def _unscaled(self) -> tuple[float, ...]:
@@ -222,8 +224,8 @@ class StepTimeModel:
     def chunk_marginal(self, start_position: int, num_new_tokens: int, step: StepFeatures = NO_WORK) -> float:
         """The time computing num_new_tokens from start_position adds to a step that already has `step`'s
         work (in a step that qualifies for the fused decode program where the chunk does: what a budget
-        charges before the step is whole). A step's first prefill chunk adds per_prefill_step and the per-op
-        cost of the step's decode rows; a later one adds only its tokens."""
+        charges before the step is whole). A step's first prefill chunk adds per_prefill_step, and
+        per_mixed_step where the step has decode rows; a later one adds only its tokens."""
         return self.marginal(self.chunk_features(start_position, num_new_tokens), step)
 
     def marginal(self, features: StepFeatures, step: StepFeatures = NO_WORK) -> float:
@@ -254,7 +256,7 @@ class StepTimeModel:
                 "per_prefill_token_ms": 1e3 * c["per_prefill_token"],
                 "per_1k_context_reads_ms": 1e6 * c["per_context_read"],
                 "per_prefill_step_ms": 1e3 * c["per_prefill_step"],
-                "per_prefill_step_row_ms": 1e3 * c["per_prefill_step_row"],
+                "per_mixed_step_ms": 1e3 * c["per_mixed_step"],
                 "observations": self.num_observations, "prior": dict(self.prior),
                 "decode_rows": {"max_query_len": self.rows.max_query_len, "max_rows": self.rows.max_rows},
                 "coefficients": self.coefficients}
@@ -265,22 +267,20 @@ def server_bound(model: StepTimeModel, prompt_len: float, output_len: float, tpo
     prompt_len -> output_len tokens in steady state: N decode rows per step, each step also carrying its
     share of prefill (N * prompt_len / output_len tokens) and its attention reads, and N / output_len
     prompts starting a step, each in the first step after it arrives (so a fraction f = min(1, N /
-    output_len) of steps carries prefill and pays the per-step prefill costs). N solves
-    intercept + k * N + (per_prefill_step + per_prefill_step_row * N) * f = limit, and N / limit is the
-    bound in tokens/s; 1 / k is the same model's limit for an unbounded batch (no latency limit)."""
+    output_len) of steps carries prefill, beside decode rows). N solves
+    intercept + k * N + (per_prefill_step + per_mixed_step) * f = limit, and N / limit is the bound in
+    tokens/s; 1 / k is the same model's limit for an unbounded batch (no latency limit)."""
     c = model.coefficients
     p, d = float(prompt_len), max(float(output_len), 1.0)
     reads_per_row = p + d / 2 + (p / d) * p / 2
     k = c["per_decode_row"] + c["per_prefill_token"] * p / d + c["per_context_read"] * reads_per_row
-    room, o, o_row = max(tpot_limit_s - c["intercept"], 0.0), c["per_prefill_step"], c["per_prefill_step_row"]
+    room, o = max(tpot_limit_s - c["intercept"], 0.0), c["per_prefill_step"] + c["per_mixed_step"]
     if k <= 0:
         rows = float("inf")
     else:
-        b = k + o / d                                  # fewer than one prompt a step (N < d): a quadratic
-        a = o_row / d
-        rows = room / b if a == 0 else (math.sqrt(b * b + 4 * a * room) - b) / (2 * a)
-        if rows >= d:                                  # every step carries a prompt
-            rows = max(room - o, 0.0) / (k + o_row)
+        rows = room / (k + o / d)                      # fewer than one prompt a step (N < d)
+        if rows >= d:
+            rows = max(room - o, 0.0) / k              # every step carries a prompt
     return {"rows": rows, "tokens_per_s": rows / tpot_limit_s,
             "unbounded_batch_tokens_per_s": 1.0 / k if k > 0 else float("inf"),
             "step_s": tpot_limit_s, "prompt_len": p, "output_len": d}

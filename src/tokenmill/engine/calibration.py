@@ -26,10 +26,10 @@ logger = logging.getLogger("tokenmill")
 # repeats tell the fixed cost of a step carrying prefill (per_prefill_step) from the per-token one, within
 # the noise of the long steps
 PHASES = ((1, 32, 6), (4, 32, 6), (16, 32, 6), (24, 16, 6), (1, 512, 2), (1, 128, 2)) \
-    + ((1, 8, 2), (2, 8, 2), (1, 16, 2), (1, 48, 2)) * 2
+    + ((1, 8, 2), (2, 8, 2), (1, 16, 2), (1, 48, 2)) * 3
 # (decoding requests, a joining prompt's tokens): a prompt arriving while a batch decodes, so that one step
-# carries both (what per_prefill_step_row, the per-op cost of decode rows in such a step, is fit on)
-MIXED_PHASES = ((4, 16), (12, 16), (24, 16), (12, 48), (24, 8)) * 2
+# carries both (what per_mixed_step, the cost of a step with prefill beside decode rows, is fit on)
+MIXED_PHASES = ((4, 16), (12, 16), (24, 16), (12, 48), (24, 8)) * 4
 _MIXED_DECODE = (16, 8)                                # the decoding requests' prompt and output tokens
 WARMUP = (2, 16, 3)
 CACHE_VERSION = 2                                      # 2: the per-step prefill terms

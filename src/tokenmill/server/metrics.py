@@ -195,7 +195,7 @@ class EngineStatsCollector(Collector):
         g = GaugeMetricFamily(self.prefix + "step_time_model_seconds",
                               "The scheduler's step-time model: seconds per unit of each term "
                               "(intercept, per_decode_row, per_prefill_token, per_context_read, per_prefill_step, "
-                              "per_prefill_step_row)",
+                              "per_mixed_step)",
                               labels=["model_name", "term"])
         for term, value in model["coefficients"].items():
             g.add_metric([self.model_name, term], value)
