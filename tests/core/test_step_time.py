@@ -182,3 +182,18 @@ def test_the_server_bound_fills_the_tpot_limit_with_its_steady_step(prompt_len, 
     assert c["intercept"] + k * n + per_step * min(1.0, n / d) == pytest.approx(limit)
     assert bound["tokens_per_s"] == pytest.approx(n / limit)
     assert (n >= d) == (output_len == 4)
+
+
+def test_a_few_outlying_mixed_steps_do_not_move_the_per_step_costs_far():
+    """An Offline-like run: hundreds of decode steps and three large mixed steps the linear terms misprice
+    by 60 ms. The per-step costs' prior counts as 64 steps carrying them, so those three steps move
+    per_mixed_step by about 3/67 of their residual, not the whole of it (as a pull of 4 average steps would)."""
+    def fit(**kw):
+        model, truth = StepTimeModel(prior=COSTS, **kw), StepTimeModel(prior=COSTS)
+        for i in range(300):
+            f = StepFeatures(100, 0, 8000) if i % 100 else StepFeatures(60, 1900, 60000)
+            model.observe(f, truth.predict(f) + (0.060 if f.prefill_tokens else 0.0))
+        return model.coefficients["per_mixed_step"] + model.coefficients["per_prefill_step"]
+    held = fit()
+    assert held < COSTS["per_mixed_step"] + COSTS["per_prefill_step"] + 0.006
+    assert fit(step_cost_prior_weight=0.2) > held + 0.01
