@@ -52,3 +52,12 @@ def test_a_long_enough_offline_run_runs_once():
     outcome, engine = _offline(min_duration_s=0.01, ttft_s=0.05)
     assert len(engine.params) == 4 and len(outcome.result.records) == 4
     assert outcome.verdict.min_duration_met
+
+
+def test_server_runs_hold_at_least_what_offline_completes_in_the_minimum_duration():
+    """A run at a rate the engine cannot sustain must last long enough to fail, or any QPS passes: the cap
+    rises to Offline's rate times twice min_duration_s (never below max_query_count)."""
+    from tokenmill.bench.main_job import server_query_cap
+    job = MainJobConfig(min_duration_s=10.0, max_query_count=48)
+    assert server_query_cap(job, 11.2) == 224
+    assert server_query_cap(job, 2.0) == 48

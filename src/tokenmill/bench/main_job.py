@@ -6,6 +6,7 @@ says so plainly.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from dataclasses import dataclass
 
@@ -27,9 +28,10 @@ class MainJobConfig:
     output_len: str = "64"             # tokens, exact (ignore_eos)
     min_duration_s: float = 10.0       # s per Server run (MLPerf: 600 s)
     min_query_count: int = 12          # per Server run (dev setting)
-    # cap per Server run, keeps the job to minutes. At least num_samples: a run whose queries all arrive at
-    # once must queue as many as Offline's first run does, or an overloaded server passes the TTFT limit (it
-    # did at 24 queries: every QPS up to 130 "met the limits" and Server/Offline read 113%)
+    # cap per Server run, keeps the job to minutes; raised to what Offline completes in twice min_duration_s
+    # (server_query_cap). A run whose queries all arrive at once must queue more work than the TTFT limit
+    # allows, or an overloaded server passes it: at 24 queries every QPS up to 130 "met the limits" and
+    # Server/Offline read 113%; at 48 on a machine twice as fast (718 Offline tok/s), every QPS up to 1,411
     max_query_count: int = 48
     start_qps_fraction: float = 0.3    # find-peak starts at this fraction of Offline samples/s
     precision: float = 0.2             # relative QPS precision of the peak search
@@ -63,6 +65,15 @@ async def run_offline_sized(session: BenchSession, job: MainJobConfig):
     return await session.run(OfflineScenario(n, job.seed), label="Offline")
 
 
+def server_query_cap(job: MainJobConfig, offline_rps: float) -> int:
+    """Queries per Server run at most: job.max_query_count, or what Offline completes in twice
+    min_duration_s if more. A run up to twice Offline's rate then lasts its whole min_duration_s, so a rate
+    the engine cannot sustain (any above Offline's) builds a queue for that long and fails, as a run of
+    MLPerf's length would, instead of ending before its queue passes the TTFT limit (at 10 s of Offline's
+    work, 17 QPS passed where Offline's rate was 11.4)."""
+    return max(job.max_query_count, math.ceil(2 * offline_rps * job.min_duration_s))
+
+
 async def _run(job: MainJobConfig, cfg: BenchConfig):
     async with BenchSession(cfg) as session:
         offline = await run_offline_sized(session, job)
@@ -70,7 +81,7 @@ async def _run(job: MainJobConfig, cfg: BenchConfig):
         rps = offline.result.metrics.request_throughput_rps or 0.1
         search = PeakSearchConfig(max(0.02, round(job.start_qps_fraction * rps, 3)), job.precision, job.max_runs,
                                   min_duration_s=job.min_duration_s, min_query_count=job.min_query_count,
-                                  max_query_count=job.max_query_count, seed=job.seed,
+                                  max_query_count=server_query_cap(job, rps), seed=job.seed,
                                   time_budget_s=job.search_budget_s)
         peak = await find_peak(session, search)
     return offline, peak
@@ -93,7 +104,8 @@ def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list
               f"{server.verdict.label})") if server else
              "- Server: no target QPS met the latency limits in this search.",
              f"- Server runs are {job.min_duration_s:g} s / at least {job.min_query_count} queries "
-             f"(at most {job.max_query_count}): far too few for MLPerf's early stopping (662 queries to certify a "
+             f"(at most {server_query_cap(job, offline.result.metrics.request_throughput_rps or 0.1)}: what Offline "
+             f"completes in {2 * job.min_duration_s:g} s, or {job.max_query_count}): far too few for MLPerf's early stopping (662 queries to certify a "
              f"p99 estimate), so their full verdicts are INVALID by design; the search itself uses the latency "
              f"limits, as LoadGen's FindPeakPerformance does.", ""]
     summary = {"offline_tokens_per_s": offline.result.metrics.tokens_per_s, "peak_qps": peak.peak_qps,
