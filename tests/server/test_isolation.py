@@ -185,8 +185,11 @@ def test_trailing_slash_is_a_404_not_a_redirect(server):
 # ---- a loop that dies -----------------------------------------------------------------------------
 KILLER_PROMPT = [7] * 33     # token ids; the patched scheduler below raises when it sees them waiting
 
+# steps take at least 10 ms, so the victim's 400 tokens last 4 s whatever the machine's speed (the tiny model
+# alone ran them in under the 0.5 s before the killer comes, on a fast machine)
 DYING_SERVER = f"""
 import sys
+import time
 from tokenmill.core import scheduler
 
 real = scheduler.Scheduler.schedule
@@ -194,6 +197,8 @@ real = scheduler.Scheduler.schedule
 def schedule(self):
     if any(list(r.prompt_token_ids) == {KILLER_PROMPT!r} for r in self.waiting):
         raise RuntimeError("injected scheduler bug")
+    if self.running:
+        time.sleep(0.01)
     return real(self)
 
 scheduler.Scheduler.schedule = schedule
