@@ -77,11 +77,14 @@ def test_a_killed_replica_fails_only_its_requests(tiny_model_factory):
         outs = {}
         t0 = time.monotonic()
         victim = engine.core.replicas[1].link
-        # mid-way through its requests (about 2 s of work on a fast CPU); a timer, as a step may block that long
-        killer = threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL))
-        killer.start()
+        # while its requests run: 20 ms after the first step (its 300 tokens take 0.3 s on the fastest machine
+        # seen, seconds on others); a timer, as a step may block that long
+        killer = threading.Timer(0.02, os.kill, (victim.pid, signal.SIGKILL))
         while engine.has_unfinished_requests() and time.monotonic() - t0 < 60:
-            for out in engine.step():
+            outputs = engine.step()
+            if not killer.is_alive() and not killer.finished.is_set():
+                killer.start()
+            for out in outputs:
                 if out.finished:
                     outs[out.request_id] = out
         killer.join()
