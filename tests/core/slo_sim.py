@@ -75,7 +75,8 @@ EOS = 2
 
 def true_step_s(features, costs=TRUE_COSTS) -> float:
     """The fake platform's step time: linear in the features (a step with prefill tokens pays
-    costs["per_prefill_step"] where given, as leaving a fused decode program does on this project's CPUs)."""
+    costs["per_prefill_step"], and costs["per_mixed_step"] beside decode rows, where given, as leaving a
+    fused decode program does on this project's CPUs)."""
     return StepTimeModel(prior=costs).predict(features)
 
 

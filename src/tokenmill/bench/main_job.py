@@ -104,10 +104,11 @@ def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list
               f"{server.verdict.label})") if server else
              "- Server: no target QPS met the latency limits in this search.",
              f"- Server runs are {job.min_duration_s:g} s / at least {job.min_query_count} queries "
-             f"(at most {server_query_cap(job, offline.result.metrics.request_throughput_rps or 0.1)}: what Offline "
-             f"completes in {2 * job.min_duration_s:g} s, or {job.max_query_count}): far too few for MLPerf's early stopping (662 queries to certify a "
-             f"p99 estimate), so their full verdicts are INVALID by design; the search itself uses the latency "
-             f"limits, as LoadGen's FindPeakPerformance does.", ""]
+             f"(at most {server_query_cap(job, offline.result.metrics.request_throughput_rps or 0.1)}: what "
+             f"Offline completes in {2 * job.min_duration_s:g} s, or {job.max_query_count}): far too few for "
+             f"MLPerf's early stopping (662 queries to certify a p99 estimate), so their full verdicts are "
+             f"INVALID by design; the search itself uses the latency limits, as LoadGen's FindPeakPerformance "
+             f"does.", ""]
     summary = {"offline_tokens_per_s": offline.result.metrics.tokens_per_s, "peak_qps": peak.peak_qps,
                "peak_confirmed": peak.confirmed,
                "server_completed_tokens_per_s": server.result.metrics.completed_tokens_per_s if server else None,

@@ -277,10 +277,10 @@ class SLOPolicy(FCFSPolicy):
         target = request.sampling_params.ttft_target_ms
         if target is None or request.first_token_time is not None or not model.is_fitted:
             return 0
-        rest = request.num_tokens - request.num_computed_tokens
-        prefill_s = model.chunk_marginal(request.num_computed_tokens, rest, self._decode_only_step(scheduler.running))
-        tight = self._ttft_allowance_s(request, scheduler) < self.config.whole_prefill_ttft_ratio * prefill_s
-        return rest if tight else 0
+        decode_s, whole_s = self._whole_prefill_step_s(request, scheduler)
+        tight = self._ttft_allowance_s(request, scheduler, whole_s) < \
+            self.config.whole_prefill_ttft_ratio * (whole_s - decode_s)
+        return request.num_tokens - request.num_computed_tokens if tight else 0
 
     def _urgent(self, r: Request, scheduler: "Scheduler", now: float) -> bool:
         """r, with a TTFT target, has used more than urgent_fraction of its TTFT allowance waiting."""
@@ -291,17 +291,24 @@ class SLOPolicy(FCFSPolicy):
         """r has waited more than `fraction` of its TTFT allowance (_ttft_allowance_s)."""
         return now - r.arrival_time > fraction * self._ttft_allowance_s(r, scheduler)
 
-    def _ttft_allowance_s(self, r: Request, scheduler: "Scheduler") -> float:
+    def _ttft_allowance_s(self, r: Request, scheduler: "Scheduler", whole_s: float | None = None) -> float:
         """Seconds from r's arrival to the latest start of the step that computes the rest of its prompt
-        whole and still ends by its TTFT deadline (that step: a decode-only step of the running batch plus
-        the chunk, as the step-time model predicts). An allowance that ignored the prefill's own time would
-        let a short TTFT target (or a long prompt) go urgent only when its miss is already certain."""
-        model = scheduler.step_model
+        whole and still ends by its TTFT deadline (that step, whole_s: a decode-only step of the running
+        batch plus the chunk, as the step-time model predicts; computed here if not given). An allowance that
+        ignored the prefill's own time would let a short TTFT target (or a long prompt) go urgent only when
+        its miss is already certain."""
         allowance = _deadline(r, self.config) - r.arrival_time
-        if model.is_fitted:
-            allowance -= model.predict(self._decode_only_step(scheduler.running).plus(
-                model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)))
+        if scheduler.step_model.is_fitted:
+            allowance -= self._whole_prefill_step_s(r, scheduler)[1] if whole_s is None else whole_s
         return max(allowance, 0.0)
+
+    def _whole_prefill_step_s(self, r: Request, scheduler: "Scheduler") -> tuple[float, float]:
+        """Predicted seconds of a decode-only step of the running batch, and of that step with the rest of
+        r's prompt added whole."""
+        model = scheduler.step_model
+        decode = self._decode_only_step(scheduler.running)
+        whole = decode.plus(model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens))
+        return model.predict(decode), model.predict(whole)
 
     @staticmethod
     def _decode_only_step(running: list[Request]) -> StepFeatures:
@@ -329,7 +336,7 @@ class SLOPolicy(FCFSPolicy):
         prefill_per_step = n * y.output_tokens * prompt / output
         decode = y.features(n, sum(r.num_tokens - 1 for r in batch))
         reads = decode.context_reads + prefill_per_step * (prompt / n) / 2
-        prefill_steps = max(min(prefill_per_step * n / prompt, 1.0), decode.prefill_steps) if prompt else 0.0
+        prefill_steps = max(min(prefill_per_step * n / prompt, 1.0), decode.prefill_steps)   # prompt >= n >= 1
         return model.predict(StepFeatures(decode.decode_rows, decode.prefill_tokens + round(prefill_per_step),
                                           round(reads), prefill_steps))
 

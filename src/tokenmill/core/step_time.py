@@ -26,7 +26,6 @@ steps of one shape do not swing the coefficients of the others. Coefficients are
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -170,9 +169,9 @@ class StepTimeModel:
         rho = self.prior_weight if self._has_prior else 1e-6
         # the pull scales with each feature's typical magnitude so that it means "rho observations"; a per-step
         # cost's feature is 1 in a step that carries it, so its pull means that many such steps
-        diag = np.maximum(np.diag(self._gram) / max(self._weight(), 1e-9), 1e-6)
-        diag[_STEP_COSTS] = self.step_cost_prior_weight / rho if self._has_prior else 1.0
-        penalty = rho * np.diag(diag)
+        pull = rho * np.maximum(np.diag(self._gram) / max(self._weight(), 1e-9), 1e-6)
+        pull[_STEP_COSTS] = self.step_cost_prior_weight if self._has_prior else rho
+        penalty = np.diag(pull)
         active = np.ones(_N, dtype=bool)           # coefficients not clamped at zero
         theta = np.zeros(_N)
         for _ in range(_N):
@@ -184,16 +183,8 @@ class StepTimeModel:
             if not negative.any():
                 break
             active &= ~negative
-        self._theta = np.maximum(theta, 0.0)
-        self._coeffs = tuple(float(v) for v in self._theta * _SCALE)     # seconds per unscaled feature
+        self._coeffs = tuple(float(v) for v in np.maximum(theta, 0.0) * _SCALE)    # s per unscaled feature
         self._stale = False
-
-    @property
-    def theta(self) -> np.ndarray:
-        """The fitted coefficients in the scaled feature units."""
-        if self._stale:
-            self._refit()
-        return self._theta
 
     def _weight(self) -> float:
         if self.decay == 1.0:
