@@ -9,12 +9,14 @@ server reports its model, and the peak QPS as a ratio of the other systems'. Wit
 alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land under --out-dir.
 
     python benchmarks/server_peak.py [--systems slo,fcfs,llama-server] [--profile llama3.1-8b]
-        [--quantization int4] [--min-duration-s 60] [--rounds 1]
+        [--quantization int4] [--min-duration-s 60] [--rounds 1] [--confirm-duration-s 600]
     # speculation against none, Interactive limits, summarization prompts:
     python benchmarks/server_peak.py --systems slo,slo+spec --profile llama3.1-8b-interactive --dataset cnndm \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' 
 
-The runs are of development length unless --min-duration-s 600 (MLPerf's); say which in any note.
+The runs are of development length unless --min-duration-s 600 (MLPerf's); say which in any note. With
+--confirm-duration-s 600 each system then holds its development-length peak for MLPerf's 600 s, backing off
+until a run meets both limits, and a second table reports the QPS held at that length.
 """
 from __future__ import annotations
 
@@ -58,6 +60,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--start-qps", type=float, default=2.0)
     p.add_argument("--max-runs", type=int, default=7)
     p.add_argument("--precision", type=float, default=0.05)
+    p.add_argument("--confirm-duration-s", type=float, default=0.0,
+                   help="after the search, hold its peak for this long (600: MLPerf's length) in one Server run; "
+                        "if that run misses a limit, back off by --confirm-backoff and run again, up to "
+                        "--confirm-tries runs (0: no such runs)")
+    p.add_argument("--confirm-backoff", type=float, default=0.9,
+                   help="QPS factor between confirming runs (lower still when the failed run served less)")
+    p.add_argument("--confirm-start-qps", default=None,
+                   help="comma list, one per system: hold from this QPS without a search (the peak columns stay "
+                        "empty); an empty item searches as usual (6.5,: the first system holds from 6.5 QPS)")
+    p.add_argument("--confirm-tries", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (medians)")
     p.add_argument("--speculative-config", default=None, help="JSON: the speculation of the +spec systems")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER",
@@ -178,7 +190,7 @@ def bench(args, url: str, command: str, name: str, extra: list[str]) -> dict:
     return json.loads(path.read_text())
 
 
-def measure(args, system: System, port: int, round_no: int) -> dict:
+def measure(args, system: System, port: int, round_no: int, hold_from: float | None = None) -> dict:
     url = f"http://127.0.0.1:{port}"
     stem = f"{system.name}_r{round_no}"
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -187,10 +199,12 @@ def measure(args, system: System, port: int, round_no: int) -> dict:
     try:
         wait_ready(url, proc)
         offline = bench(args, url, "offline", stem + "_offline", ["--min-query-count", str(args.offline_queries)])
-        peak = bench(args, url, "find-peak", stem + "_peak",
-                     ["--min-duration-s", str(args.min_duration_s), "--min-query-count", str(args.min_query_count),
-                      "--start-qps", str(args.start_qps), "--max-runs", str(args.max_runs),
-                      "--precision", str(args.precision)])
+        peak = {"summary": {}, "runs": []} if hold_from else bench(
+            args, url, "find-peak", stem + "_peak",
+            ["--min-duration-s", str(args.min_duration_s), "--min-query-count", str(args.min_query_count),
+             "--start-qps", str(args.start_qps), "--max-runs", str(args.max_runs), "--precision", str(args.precision)])
+        held = hold_peak(args, url, stem, hold_from or peak["summary"].get("peak_qps")) \
+            if args.confirm_duration_s else {}
     finally:
         stop(proc)
         log.close()
@@ -200,7 +214,37 @@ def measure(args, system: System, port: int, round_no: int) -> dict:
     bound = (summary.get("step_time_bound") or {}).get("tokens_per_s")
     return {"offline_tps": offline_tps, "peak_qps": summary.get("peak_qps"),
             "server_tps": run.get("completed_tokens_per_s"), "ttft_p99": run.get("ttft_ms", {}).get("p99"),
-            "tpot_p99": run.get("tpot_ms", {}).get("p99"), "bound_tps": bound}
+            "tpot_p99": run.get("tpot_ms", {}).get("p99"), "bound_tps": bound, **held}
+
+
+def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
+    """Server runs of --confirm-duration-s from the search's peak down until one meets both limits (p99 TTFT and
+    TPOT, no failed request), at most --confirm-tries runs. Each next QPS is the last one times --confirm-backoff,
+    or 0.95 x the request rate the failed run completed if that is lower (a load above what the server completes
+    only queues up, however long it runs). Returns the held run's figures under held_* keys (held_qps None when
+    none held) and every run's in held_runs."""
+    runs, held, target = [], None, qps
+    for i in range(args.confirm_tries if qps else 0):
+        report = bench(args, url, "server", f"{stem}_hold{i + 1}",
+                       ["--target-qps", f"{target:.4f}", "--min-duration-s", str(args.confirm_duration_s),
+                        "--min-query-count", str(args.min_query_count)])
+        o = report["runs"][-1]
+        m, verdict = o["metrics"], o["verdict"]
+        row = {"qps": target, "tps": m.get("completed_tokens_per_s"), "ttft_p99": m.get("ttft_ms", {}).get("p99"),
+               "tpot_p99": m.get("tpot_ms", {}).get("p99"), "queries": m.get("num_issued"),
+               "failed": m.get("num_failed"), "verdict": verdict.get("label"),
+               "bound_tps": (report["summary"].get("step_time_bound") or {}).get("tokens_per_s")}
+        runs.append(row)
+        print(f"    hold {target:.3f} QPS for {args.confirm_duration_s:g} s: {row}", file=sys.stderr, flush=True)
+        if verdict.get("perf_constraints_met") and not m.get("num_failed"):
+            held = row
+            break
+        per_request = (m.get("total_output_tokens") or 0) / max(m.get("num_completed") or 0, 1)
+        served_qps = (m.get("completed_tokens_per_s") or 0) / per_request if per_request else target
+        target = min(target * args.confirm_backoff, 0.95 * served_qps)
+    return {"held_qps": held and held["qps"], "held_tps": held and held["tps"],
+            "held_ttft_p99": held and held["ttft_p99"], "held_tpot_p99": held and held["tpot_p99"],
+            "held_bound_tps": held and held["bound_tps"], "held_runs": runs}
 
 
 def median(values):
@@ -212,38 +256,60 @@ def fmt(v, d=1) -> str:
     return "-" if v is None else f"{v:.{d}f}"
 
 
+# The figures of a table's rows: the search's peak run, or the run that held for --confirm-duration-s.
+PEAK_KEYS = {"qps": "peak_qps", "tps": "server_tps", "ttft": "ttft_p99", "tpot": "tpot_p99", "bound": "bound_tps"}
+HELD_KEYS = {"qps": "held_qps", "tps": "held_tps", "ttft": "held_ttft_p99", "tpot": "held_tpot_p99",
+             "bound": "held_bound_tps"}
+
+
+def print_table(med: dict, best: float | None, keys: dict, what: str, with_offline: bool) -> None:
+    """One row per system: its QPS (`what`: peak or held), Server tok/s against the best Offline and the
+    step-time bound, p99s, and its QPS as a ratio of each other system's."""
+    names = list(med)
+    print(f"| system | {'Offline tok/s | ' if with_offline else ''}{what} QPS | Server tok/s | Server/best Offline | "
+          "p99 TTFT ms | p99 TPOT ms | bound tok/s | Server/bound | "
+          + " | ".join(f"{what} vs {n}" for n in names) + " |")
+    print("|" + "---|" * (8 + with_offline + len(names)))
+    for n, m in med.items():
+        qps, tps, bound = m[keys["qps"]], m[keys["tps"]], m[keys["bound"]]
+        offline = best if n.startswith("tokenmill") else m["offline_tps"]
+        ratio = tps / offline if tps and offline else None
+        to_bound = tps / bound if tps and bound else None
+        vs = [fmt(qps / med[o][keys["qps"]], 3) if qps and med[o][keys["qps"]] else "-" for o in names]
+        print(f"| {n} | {fmt(m['offline_tps']) + ' | ' if with_offline else ''}{fmt(qps, 3)} | {fmt(tps)} | "
+              f"{fmt(ratio and 100 * ratio)}% | {fmt(m[keys['ttft']], 0)} | {fmt(m[keys['tpot']], 1)} | "
+              f"{fmt(bound)} | {fmt(to_bound and 100 * to_bound)}% | " + " | ".join(vs) + " |")
+
+
 def main() -> None:
     args = parse_args()
     gguf, port = default_gguf(), free_port()
     chosen = systems(args, gguf, port)
     results: dict[str, list[dict]] = {s.name: [] for s in chosen}
+    starts = ([float(q) if q.strip() else None for q in args.confirm_start_qps.split(",")]
+              if args.confirm_start_qps else [None] * len(chosen))
+    if len(starts) != len(chosen):
+        sys.exit(f"--confirm-start-qps: {len(starts)} values for {len(chosen)} systems")
     for r in range(args.rounds):
-        for s in chosen:
+        for s, start in zip(chosen, starts):
             print(f"round {r + 1}: {s.name} ...", file=sys.stderr, flush=True)
-            results[s.name].append(measure(args, s, port, r + 1))
+            results[s.name].append(measure(args, s, port, r + 1, start))
             print(f"  {results[s.name][-1]}", file=sys.stderr, flush=True)
-    med = {name: {k: median([x[k] for x in rows]) for k in rows[0]} for name, rows in results.items() if rows}
+    med = {name: {k: median([x[k] for x in rows]) for k in rows[0] if k != "held_runs"}
+           for name, rows in results.items() if rows}
     length = "MLPerf length" if args.min_duration_s >= 600 else f"development length ({args.min_duration_s:g} s runs)"
     print(f"\nprofile {args.profile}, {args.dataset} {args.prompt_len}->{args.output_len}, tokenmill quantization "
           f"{args.quantization}, {length}, medians of {args.rounds}\n")
-    names = list(med)
     # The Server/Offline ratio is taken against tokenmill's best Offline (an SLO server's Offline is held to
     # its TPOT target; the ratio must not use an Offline lowered to flatter it); a peer against its own.
     best = max((m["offline_tps"] or 0 for n, m in med.items() if n.startswith("tokenmill")), default=0) or None
     if best:
         print(f"best tokenmill Offline: {fmt(best)} tok/s\n")
-    print("| system | Offline tok/s | peak QPS | Server tok/s | Server/best Offline | p99 TTFT ms | p99 TPOT ms | "
-          "bound tok/s | Server/bound | " + " | ".join(f"peak vs {n}" for n in names) + " |")
-    print("|" + "---|" * (9 + len(names)))
-    for n, m in med.items():
-        offline = best if n.startswith("tokenmill") else m["offline_tps"]
-        ratio = m["server_tps"] / offline if m["server_tps"] and offline else None
-        to_bound = m["server_tps"] / m["bound_tps"] if m["server_tps"] and m["bound_tps"] else None
-        vs = [fmt(m["peak_qps"] / med[o]["peak_qps"], 3) if m["peak_qps"] and med[o]["peak_qps"] else "-"
-              for o in names]
-        print(f"| {n} | {fmt(m['offline_tps'])} | {fmt(m['peak_qps'], 3)} | {fmt(m['server_tps'])} | "
-              f"{fmt(ratio and 100 * ratio)}% | {fmt(m['ttft_p99'], 0)} | {fmt(m['tpot_p99'], 1)} | "
-              f"{fmt(m['bound_tps'])} | {fmt(to_bound and 100 * to_bound)}% | " + " | ".join(vs) + " |")
+    print_table(med, best, PEAK_KEYS, "peak", with_offline=True)
+    if args.confirm_duration_s:
+        d = args.confirm_duration_s
+        print(f"\nheld for {d:g} s ({'MLPerf length' if d >= 600 else 'development length'}):\n")
+        print_table(med, best, HELD_KEYS, "held", with_offline=False)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / "server_peak.json").write_text(json.dumps({"args": vars(args), "rounds": results,
                                                                       "medians": med}, indent=2))

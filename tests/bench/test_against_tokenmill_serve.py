@@ -34,6 +34,7 @@ def test_server_scenario_against_tokenmill_serve(tokenmill_server, tiny_model_di
         assert m["total_output_tokens"] == 8 * m["num_completed"]      # exact lengths, counted from usage
     assert server["metrics"]["ttft_ms"]["p99"] > 0 and server["metrics"]["tpot_ms"]["p99"] > 0
     assert data["summary"]["server_offline_ratio"] is not None
+    assert data["summary"]["step_time_bound"]["tokens_per_s"] > 0       # from the server's /metrics model
 
 
 def test_unreachable_url_is_counted_and_invalid(tmp_path, capsys):

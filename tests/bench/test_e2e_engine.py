@@ -23,3 +23,6 @@ def test_inprocess_server_and_offline_on_default_model(tmp_path):
         assert run["sut"]["name"] == "in-process"
     assert "enable_prefix_caching=False" in server["sut"]["engine_args"]   # MLPerf profile: no KV reuse
     assert data["summary"]["server_offline_ratio"] > 0
+    bound = data["summary"]["step_time_bound"]          # from the engine's step-time model after the run
+    assert bound["tokens_per_s"] > 0 and bound["fraction_reached"] > 0
+    assert "Step-time bound" in (tmp_path / "server.md").read_text()

@@ -53,7 +53,7 @@ def bound_section(bound: dict | None) -> list[str]:
     return [f"**Step-time bound: {_fmt(bound['tokens_per_s'])} tokens/s** ({bound['rows'] / replicas:.1f} decode "
             f"rows per {1e3 * bound['step_s']:.0f} ms step{each}, each carrying its share of "
             f"{bound['prompt_len']:.0f}-token prefills, for {bound['output_len']:.0f}-token outputs; an unbounded batch would allow "
-            f"{_fmt(bound['unbounded_batch_tokens_per_s'])}). The Server peak reached "
+            f"{_fmt(bound['unbounded_batch_tokens_per_s'])}). The Server run reached "
             f"{_fmt(100 * bound['fraction_reached'] if bound['fraction_reached'] else None, 1)}% of it.", ""]
 
 
@@ -111,8 +111,9 @@ async def run_server(cfg: BenchConfig, target_qps: float, max_query_count: int |
             server = await session.run(sc, label=f"Server @ {target_qps:g} QPS")
         outcomes.append(server)
         sections, ratio = ratio_section(server, offline)
-        sections += loadgen_section(outcomes)
-        return outcomes, sections, {"server_offline_ratio": ratio,
+        bound = step_time_bound(server, p.tpot_limit_ms)
+        sections += bound_section(bound) + loadgen_section(outcomes)
+        return outcomes, sections, {"server_offline_ratio": ratio, "step_time_bound": bound,
                                     "server_completed_tokens_per_s": server.result.metrics.completed_tokens_per_s}
 
 
