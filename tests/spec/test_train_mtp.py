@@ -18,8 +18,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def head(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama", tie_word_embeddings=False)
     out = str(tmp_path_factory.mktemp("mtp-head"))
+    articles = tmp_path_factory.mktemp("articles") / "news.jsonl"
+    articles.write_text("".join(json.dumps({"article": f"The harbor opened a new pier in {y}. Boats came."}) + "\n"
+                                for y in (1901, 1957)))
     assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--num-summaries", "4",
-                 "--max-tokens", "24", "--steps", "50", "--lr", "3e-3", "--draft-vocab-size", "64"]) == 0
+                 "--max-tokens", "24", "--steps", "50", "--lr", "3e-3", "--draft-vocab-size", "64",
+                 "--summary-format", "both", "--eval-dataset", str(articles)]) == 0
     return model, out
 
 
@@ -31,6 +35,8 @@ def test_train_mtp_writes_a_head_whose_loss_falls(head):
     assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 + 4 and meta["steps"] == 50
     assert 0.0 <= meta["heldout_top1_agreement"] <= 1.0 and meta["draft_vocab_size"] == 64
     assert 0.0 <= meta["heldout_top1_agreement_draft_vocab"] <= 1.0
+    assert meta["summary_format"] == "both" and meta["eval_dataset"].endswith("news.jsonl")
+    assert 0.0 <= meta["eval_top1_agreement"] <= 1.0 and 0.0 <= meta["eval_top1_agreement_full_vocab"] <= 1.0
     curve = meta["loss_curve"]                      # the head learns the target's habits
     assert len(curve) == 50 and sum(curve[-8:]) / 8 < 0.9 * sum(curve[:8]) / 8
     from tokenmill.spec.train_mtp import TrainResult  # noqa: F401 - the module imports without a GPU
@@ -117,3 +123,48 @@ def test_a_head_for_another_architecture_or_none_is_a_clear_error(head, tiny_mod
 def test_bad_training_options_are_clear_errors(tiny_model_dir, tmp_path, capsys):
     assert main(["train-mtp", "--model", tiny_model_dir, "--out", str(tmp_path), "--steps", "0"]) == 2
     assert "--steps and --num-prompts must be >= 1" in capsys.readouterr().err
+
+
+def test_summary_requests_alternate_forms_and_mlperf_ones_decode_past_eos(tiny_model_dir):
+    """"both" alternates the chat template's request with MLPerf's prompt; the latter decode exactly max_tokens
+    (EOS ignored), as the summarization benchmarks decode."""
+    from tokenmill.bench.datasets import CNNDM_PROMPT
+    from tokenmill.spec.train_mtp import TrainConfig, _mlperf_params, summary_prompts
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=1 << 22)
+    both = summary_prompts(llm, ["first text", " ", "second text"], 4, "both")
+    assert [m for _, m in both] == [False, True, False, True]
+    assert both[1][0] == CNNDM_PROMPT.format(article="second text") and "first text" in both[0][0]
+    assert all(m for _, m in summary_prompts(llm, ["a"], 3, "cnndm"))
+    assert not any(m for _, m in summary_prompts(llm, ["a"], 3, "chat"))
+    params = _mlperf_params(20)
+    assert params.ignore_eos and params.min_tokens == params.max_tokens == 20 and params.temperature == 0.0
+    with pytest.raises(ValueError, match="summary_format 'news': expected one of chat, cnndm, both"):
+        TrainConfig(summary_format="news")
+
+
+def test_agreement_over_generated_positions_skips_the_prompt():
+    """generated_only counts the positions p whose t_{p+1} the target wrote (p >= prompt_len - 1) only."""
+    import torch
+    from tokenmill.spec.train_mtp import Sequence, accuracy
+
+    class EvenOracle(torch.nn.Module):        # the target's token at p + 1 here is t_{p+1}; guessed where even
+        head = torch.eye(8)
+
+        def forward(self, ids_next, hidden):
+            return torch.eye(8)[torch.where(ids_next % 2 == 0, ids_next, (ids_next + 1) % 8)]
+
+    ids = torch.tensor([1, 2, 3, 5, 4, 6, 0])
+    seq = Sequence(ids, torch.eye(8)[ids] * 10, prompt_len=3)
+    assert accuracy(EvenOracle(), [seq]) == pytest.approx(4 / 6)                   # t = 2, 4, 6, 0 of 2 3 5 4 6 0
+    assert accuracy(EvenOracle(), [seq], generated_only=True) == pytest.approx(3 / 4)   # of 5 4 6 0
+
+
+def test_a_missing_or_empty_evaluation_file_fails_before_any_work(tiny_model_dir, tmp_path, capsys):
+    assert main(["train-mtp", "--model", tiny_model_dir, "--out", str(tmp_path / "o"),
+                 "--eval-dataset", str(tmp_path / "none.jsonl")]) == 2
+    assert "dataset file not found" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["train-mtp", "--model", tiny_model_dir, "--out", str(tmp_path / "o"),
+                 "--eval-dataset", str(tmp_path / "empty.jsonl")]) == 2
+    assert "no articles to evaluate on" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -2,15 +2,19 @@
 
 1. Data: the engine generates from a spread of instruction prompts (sampled, so the text varies), then
    summarizes texts it wrote in the first round (greedy, as a summarization benchmark decodes: an answer
-   that copies from its context, which a head trained on free writing alone rarely predicts); each
-   sequence's final hidden states h_p come from the same engine's model (the quantization it will serve
-   with), with the target's next-token distributions q_{p+1} = softmax(lm_head(h_{p+1})).
+   that copies from its context, which a head trained on free writing alone rarely predicts). The summary
+   requests come in the chat template ("chat"), as MLPerf's summarization prompt without one, decoded to
+   max_tokens past EOS as the benchmark's runs decode ("cnndm"), or alternating ("both"). Each sequence's
+   final hidden states h_p come from the same engine's model (the quantization it will serve with), with
+   the target's next-token distributions q_{p+1} = softmax(lm_head(h_{p+1})).
 2. Model: enorm, hnorm, eh_proj and one decoder block of the target's own Hugging Face class (initialized
    from the target's last layer), shared_head.norm (from the final norm); the embedding and head are the
    target's, frozen. All plain torch modules, so autograd applies.
 3. Loss: KL(q_{p+1} || the head's prediction at p), in nats (distillation: the head learns to guess what
    the target will say after t_{p+1}, which is what greedy verification accepts; 0 = a perfect copy). Held-out
-   accuracy: how often its argmax is the target's argmax, the first draft's acceptance rate.
+   accuracy: how often its argmax is the target's argmax, the first draft's acceptance rate. With evaluation
+   articles (a CNN/DailyMail-layout JSONL, never trained on), the same agreement over the positions of the
+   summaries the target writes of them under MLPerf's prompt: the acceptance a summarization run will see.
 
 The saved head (mtp.safetensors, names relative to the layer as DeepSeek's, mtp_config.json) loads with
 speculative_config {"method": "mtp", "model": DIR}."""
@@ -36,13 +40,22 @@ class TrainConfig:
     lr: float = 1e-3
     holdout: float = 0.1              # share of sequences kept for the accuracy check
     draft_vocab_size: int = 8192      # the default reduced draft vocabulary saved with the head (0: whole)
+    summary_format: str = "chat"      # "chat" | "cnndm" | "both": the summary requests' form (docstring)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.summary_format not in SUMMARY_FORMATS:
+            raise ValueError(f"summary_format {self.summary_format!r}: expected one of {', '.join(SUMMARY_FORMATS)}")
+
+
+SUMMARY_FORMATS = ("chat", "cnndm", "both")
 
 
 @dataclass
 class Sequence:
     ids: torch.Tensor                 # [n] int64: prompt and generated tokens
     hidden: torch.Tensor              # [n, hidden] the target's final hidden states
+    prompt_len: int = 0               # ids[:prompt_len] is the prompt
 
 
 @dataclass
@@ -50,34 +63,74 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     accuracy: float = 0.0             # held out: the head's argmax == the target's argmax
     draft_vocab_accuracy: float | None = None   # the same, the head's argmax taken among the draft vocabulary
+    eval_accuracy: float | None = None          # on the evaluation articles' summary positions (draft vocabulary
+    eval_full_vocab_accuracy: float | None = None   # where there is one), and among every token
     tokens: int = 0
 
 
-def summary_prompts(llm, texts: list[str], n: int) -> list[str]:
-    """Summarization requests over the model's own first-round texts (cycled to n)."""
-    texts = [t for t in texts if t.strip()]
-    return [chat_prompt(llm, f"Summarize the following text in a few sentences.\n\n{texts[i % len(texts)].strip()}")
-            for i in range(n)] if texts else []
+def summary_prompts(llm, texts: list[str], n: int, form: str = "chat") -> list[tuple[str, bool]]:
+    """(prompt, MLPerf's form) summarization requests over the model's own first-round texts (cycled to n):
+    all in the chat template, all in MLPerf's prompt ("cnndm"), or alternating ("both")."""
+    from tokenmill.bench.datasets import CNNDM_PROMPT
+    texts = [t.strip() for t in texts if t.strip()]
+    out = []
+    for i in range(n if texts else 0):
+        mlperf = form == "cnndm" or (form == "both" and i % 2 == 1)
+        text = texts[i % len(texts)]
+        out.append((CNNDM_PROMPT.format(article=text), True) if mlperf else
+                   (chat_prompt(llm, f"Summarize the following text in a few sentences.\n\n{text}"), False))
+    return out
+
+
+def _mlperf_params(max_tokens: int):
+    """Greedy, exactly max_tokens (EOS ignored), as the summarization benchmarks here decode."""
+    from tokenmill import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
 
 
 @torch.inference_mode()
-def generate_sequences(llm, cfg: TrainConfig, progress=None) -> list[Sequence]:
-    from tokenmill import SamplingParams
+def _with_hidden(llm, outs) -> list[Sequence]:
+    """Each request's prompt + output and the target's final hidden states over them."""
     from tokenmill.layers.attention import AttentionMetadata, SeqSpan
-    prompts = instruction_prompts(llm, cfg.num_prompts, cfg.seed)
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
-              for i in range(len(prompts))]
-    outs = llm.generate(prompts, params)
-    summaries = summary_prompts(llm, [o.outputs[0].text for o in outs], cfg.num_summaries)
-    if summaries:
-        outs += llm.generate(summaries, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens))
     model = llm.engine.core.runner.model
     seqs = []
     for out in outs:
         ids = torch.tensor(list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
         slots = torch.arange(len(ids))
         hidden = model(ids, slots, AttentionMetadata(slots, [SeqSpan(0, len(ids), len(ids), slots)]))
-        seqs.append(Sequence(ids, hidden.float().clone()))
+        seqs.append(Sequence(ids, hidden.float().clone(), len(out.prompt_token_ids)))
+    return seqs
+
+
+def eval_prompts(path: str) -> list[str]:
+    """MLPerf's summarization prompt over a CNN/DailyMail-layout JSONL's articles (ValueError naming a bad row)."""
+    from tokenmill.bench.datasets import cnndm_dataset
+    prompts = [s.prompt for s in cnndm_dataset(path)]
+    if not prompts:
+        raise ValueError(f"{path}: no articles to evaluate on")
+    return prompts
+
+
+def eval_sequences(llm, prompts: list[str], max_tokens: int = 128) -> list[Sequence]:
+    """The target's greedy answers to the prompts (max_tokens each, as the benchmarks decode them)."""
+    return _with_hidden(llm, llm.generate(prompts, _mlperf_params(max_tokens)))
+
+
+@torch.inference_mode()
+def generate_sequences(llm, cfg: TrainConfig, progress=None) -> list[Sequence]:
+    from tokenmill import SamplingParams
+    prompts = instruction_prompts(llm, cfg.num_prompts, cfg.seed)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    summaries = summary_prompts(llm, [o.outputs[0].text for o in outs], cfg.num_summaries, cfg.summary_format)
+    if summaries:
+        chat = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+        outs += llm.generate([p for p, _ in summaries],
+                             [_mlperf_params(cfg.max_tokens) if mlperf else chat for _, mlperf in summaries])
+    seqs = []
+    for out in outs:
+        seqs += _with_hidden(llm, [out])
         if progress:
             progress()
     return seqs
@@ -141,7 +194,8 @@ def _targets(model: MTPTrainee, seq: Sequence) -> tuple[torch.Tensor, torch.Tens
     return seq.ids[1:], seq.hidden[:-1], q
 
 
-def train(model: MTPTrainee, seqs: list[Sequence], cfg: TrainConfig, on_step=None) -> TrainResult:
+def train(model: MTPTrainee, seqs: list[Sequence], cfg: TrainConfig, on_step=None,
+          evaluation: list[Sequence] | None = None) -> TrainResult:
     rng = random.Random(cfg.seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -165,10 +219,14 @@ def train(model: MTPTrainee, seqs: list[Sequence], cfg: TrainConfig, on_step=Non
         if on_step:
             on_step(step, loss.item())
     result.accuracy = accuracy(model, held or used)
+    vocab = None
     if 0 < cfg.draft_vocab_size < model.head.shape[0]:
         from tokenmill.spec.draft_vocab import top_tokens
         vocab = top_tokens(token_counts(used, model.head.shape[0]), cfg.draft_vocab_size)
         result.draft_vocab_accuracy = accuracy(model, held or used, vocab)
+    if evaluation:
+        result.eval_full_vocab_accuracy = accuracy(model, evaluation, generated_only=True)
+        result.eval_accuracy = accuracy(model, evaluation, vocab, generated_only=True)
     return result
 
 
@@ -179,15 +237,18 @@ def token_counts(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def accuracy(model: MTPTrainee, seqs: list[Sequence], vocab: torch.Tensor | None = None) -> float:
-    """How often the head's argmax (among `vocab` when given) is the target's argmax."""
+def accuracy(model: MTPTrainee, seqs: list[Sequence], vocab: torch.Tensor | None = None,
+             generated_only: bool = False) -> float:
+    """How often the head's argmax (among `vocab` when given) is the target's argmax; with generated_only,
+    over the positions p whose t_{p+1} the target generated (where drafts are made), not the prompt's."""
     hits = total = 0
     for seq in seqs:
         ids_next, hidden, q = _targets(model, seq)
         logits = model(ids_next, hidden)
         guess = logits.argmax(dim=-1) if vocab is None else vocab[logits.index_select(1, vocab).argmax(dim=-1)]
-        hits += int((guess == q.argmax(dim=-1)).sum())
-        total += len(ids_next)
+        first = max(seq.prompt_len - 1, 0) if generated_only else 0
+        hits += int((guess == q.argmax(dim=-1))[first:].sum())
+        total += max(len(ids_next) - first, 0)
     return hits / max(total, 1)
 
 
