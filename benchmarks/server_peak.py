@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--confirm-start-qps", default=None,
                    help="comma list, one per system: hold from this QPS without a search (the peak columns stay "
                         "empty); an empty item searches as usual (6.5,: the first system holds from 6.5 QPS)")
-    p.add_argument("--confirm-tries", type=int, default=2)
+    p.add_argument("--confirm-tries", type=int, default=2, help="at most this many held runs per system")
     p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (medians)")
     p.add_argument("--speculative-config", default=None, help="JSON: the speculation of the +spec systems")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER",
