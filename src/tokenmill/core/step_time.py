@@ -142,8 +142,8 @@ class StepTimeModel:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay, self.prior_weight, self.step_cost_prior_weight = decay, prior_weight, step_cost_prior_weight
         self.rows = rows                           # which new tokens the engine's platform runs as decode rows
-        self._gram = np.zeros((_N, _N))              # sum of w * x x^T
-        self._moment = np.zeros(_N)                 # sum of w * x y
+        self._gram = np.zeros((_N, _N))            # sum of w * x x^T
+        self._moment = np.zeros(_N)                # sum of w * x y
         self.num_observations = 0
         self.set_prior(prior)
 

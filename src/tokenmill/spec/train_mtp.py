@@ -111,9 +111,11 @@ def eval_prompts(path: str) -> list[str]:
     return prompts
 
 
-def eval_sequences(llm, prompts: list[str], max_tokens: int = 128) -> list[Sequence]:
-    """The target's greedy answers to the prompts (max_tokens each, as the benchmarks decode them)."""
-    return _with_hidden(llm, llm.generate(prompts, _mlperf_params(max_tokens)))
+def eval_sequences(llm, prompts: list[str], max_tokens: int | None = None) -> list[Sequence]:
+    """The target's greedy answers to the prompts (max_tokens each, MLPerf's summary length by default, as
+    the benchmarks decode them)."""
+    from tokenmill.bench.datasets import CNNDM_MAX_OUTPUT_TOKENS
+    return _with_hidden(llm, llm.generate(prompts, _mlperf_params(max_tokens or CNNDM_MAX_OUTPUT_TOKENS)))
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ import time
 
 
 def add_train_mtp_parser(sub) -> None:
-    from tokenmill.spec.train_mtp import TrainConfig
+    from tokenmill.spec.train_mtp import SUMMARY_FORMATS, TrainConfig
     d = TrainConfig()
     p = sub.add_parser("train-mtp", help="train an MTP speculative-decoding head on text the model writes itself")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the default model)")
@@ -22,7 +22,7 @@ def add_train_mtp_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--summary-format", default=d.summary_format, choices=["chat", "cnndm", "both"],
+    p.add_argument("--summary-format", default=d.summary_format, choices=SUMMARY_FORMATS,
                    help="second-round requests: in the chat template, as MLPerf's summarization prompt decoded to "
                         "--max-tokens past EOS, or alternating")
     p.add_argument("--eval-dataset", default=None,
