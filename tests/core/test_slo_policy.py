@@ -83,6 +83,21 @@ def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_targets_leave():
     assert predicted <= 0.060 + 1e-9 < predicted + TRUE_COSTS["per_prefill_token"]
 
 
+def test_the_step_limit_is_computed_only_for_a_step_that_has_a_prefill_to_size(monkeypatch):
+    """step_limit_s is O(running) Python: a step of decodes alone, which it never limits, does not pay it;
+    a step with a prompt to size computes it once, from the batch as the step began."""
+    s = _scheduler()
+    _decoding(s, 4, 0.0)
+    seen = []
+    real = SLOPolicy.step_limit_s
+    monkeypatch.setattr(SLOPolicy, "step_limit_s", lambda self, running, *a: seen.append(len(running)) or real(
+        self, running, *a))
+    assert all(sr.num_new_tokens == 1 for sr in s.schedule().scheduled) and seen == []
+    s.add_request(Request("p", [9] * 100, _params(8, ttft=60_000.0), arrival_time=0.0))
+    s.add_request(Request("q", [9] * 100, _params(8, ttft=60_000.0), arrival_time=0.0))
+    assert {sr.request_id for sr in s.schedule().scheduled} >= {"p"} and seen == [4]
+
+
 def test_fcfs_takes_the_whole_prompt_in_one_step():
     s = _scheduler("fcfs")
     _decoding(s, 4, 0.0)

@@ -142,7 +142,7 @@ def test_a_step_with_prefill_tokens_pays_the_per_step_prefill_costs_once():
     assert fused.chunk_marginal(100, 5, decodes) == pytest.approx(5 * c["per_decode_row"] + 515 * c["per_context_read"])
     # the largest chunk that fits, with and without the per-step costs still to pay
     assert model.max_chunk(0, 1000, 0.02, decodes) < model.max_chunk(0, 1000, 0.02, StepFeatures(8, 5, 815))
-    budget = StepBudget(tokens=1000, seconds=1.0, model=model)
+    budget = StepBudget(tokens=1000, allowance_s=1.0, model=model)
     assert budget.grant(99, 1) == 1 and budget.step == StepFeatures(1, 0, 100)
     assert budget.grant(0, 40) == 40 and budget.grant(0, 30) == 30
     spent = model.predict(StepFeatures(1, 70, 100 + 820 + 465)) - model.predict(StepFeatures())

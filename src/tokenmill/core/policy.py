@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from tokenmill.core.request import Request
-from tokenmill.core.step_time import NO_WORK, StepFeatures, StepTimeModel
+from tokenmill.core.step_time import NO_WORK, StepFeatures, StepTimeModel, chunk_work
 
 if TYPE_CHECKING:
     from tokenmill.core.scheduler import Scheduler
@@ -22,20 +22,36 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepBudget:
-    """What is left of one step. tokens: new tokens (decode tokens and prefill chunks); seconds: predicted
-    step time left (inf: no time limit). A decode token is always granted while tokens are left (a running
-    request never stalls); a prefill chunk is sized into the time left, but the step's first chunk may take
-    min_prefill_chunk tokens past it, so prefills always progress. Each grant is charged what it adds to the
-    work granted so far (`step`): the step's first prefill chunk pays the model's per-step prefill costs
-    (per_prefill_step, and per_mixed_step where decode rows were granted before it), later ones only
-    their tokens."""
+    """What is left of one step. tokens: new tokens (decode tokens and prefill chunks). allowance_s: the
+    predicted seconds the step's work may take beyond the model's intercept (inf: no time limit), or a
+    callable that computes them, asked once, when a grant first needs the time left: a decode token is
+    always granted while tokens are left (a running request never stalls), so a step of decodes alone never
+    pays for its limit. A prefill chunk is sized into the time left (`seconds`), but the step's first chunk
+    may take min_prefill_chunk tokens past it, so prefills always progress. Each grant adds its work to
+    `step`; the time left is the allowance less what the model predicts `step` adds to an empty step, so
+    the step's first prefill chunk pays the model's per-step prefill costs (per_prefill_step, and
+    per_mixed_step where decode rows were granted before it), later ones only their tokens."""
     tokens: int
-    seconds: float = math.inf
+    allowance_s: float | Callable[[], float] = math.inf
     model: StepTimeModel | None = None
     min_prefill_chunk: int = 0
     prefill_granted: bool = False
-    step: StepFeatures = NO_WORK       # the work granted so far (kept only with a model)
-    _step_s: float | None = None       # its predicted time
+    _work: list[int] = field(default_factory=lambda: [0, 0, 0])   # granted so far: decode rows, prefill
+                                       # tokens, context reads (counted only with a model)
+
+    @property
+    def step(self) -> StepFeatures:
+        """The work granted so far."""
+        return StepFeatures(*self._work)
+
+    @property
+    def seconds(self) -> float:
+        """Predicted seconds left in the step (inf: no time limit)."""
+        if callable(self.allowance_s):
+            self.allowance_s = self.allowance_s()
+        if self.model is None or not math.isfinite(self.allowance_s):
+            return self.allowance_s
+        return self.allowance_s - (self.model.predict(self.step) - self.model.predict(NO_WORK))
 
     def grant(self, start_position: int, wanted: int, timeless: bool = False, floor: int = 0) -> int:
         """How many of `wanted` new tokens from start_position this step computes; charges them.
@@ -44,11 +60,13 @@ class StepBudget:
         n = min(wanted, self.tokens)
         if n <= 0:
             return 0
-        if self.model is not None and math.isfinite(self.seconds) and n > 1 and not timeless:
-            fits = self.model.max_chunk(start_position, n, self.seconds, self.step)
-            if fits < n and not self.prefill_granted:
-                fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
-            n = fits
+        if self.model is not None and n > 1 and not timeless:
+            seconds = self.seconds
+            if math.isfinite(seconds):
+                fits = self.model.max_chunk(start_position, n, seconds, self.step)
+                if fits < n and not self.prefill_granted:
+                    fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
+                n = fits
         if n <= 0:
             return 0
         self.tokens -= n
@@ -56,22 +74,13 @@ class StepBudget:
         self._charge(start_position, n)
         return n
 
-    def _charge(self, start_position: int, n: int) -> None:
+    def _charge(self, start_position: int, n: int, sign: int = 1) -> None:
         if self.model is not None:
-            self._move_to(self.step.plus(self.model.chunk_features(start_position, n)))
+            for i, v in enumerate(chunk_work(start_position, n, self.model.rows)):
+                self._work[i] += sign * v
 
     def _uncharge(self, start_position: int, n: int) -> None:
-        if self.model is not None:
-            self._move_to(self.step.minus(self.model.chunk_features(start_position, n)))
-
-    def _move_to(self, step: StepFeatures) -> None:
-        """The granted work becomes `step`: seconds change by the predicted difference (runs per grant, so
-        the current step's prediction is kept)."""
-        if self._step_s is None:
-            self._step_s = self.model.predict(self.step)
-        after = self.model.predict(step)
-        self.seconds -= after - self._step_s
-        self.step, self._step_s = step, after
+        self._charge(start_position, n, -1)
 
     def grant_drafts(self, start_position: int, wanted: int) -> int:
         """How many of `wanted` draft tokens may follow the decode token granted at start_position: drafts
@@ -82,8 +91,9 @@ class StepBudget:
             return 0
         if self.model is not None:
             self._uncharge(start_position, 1)
-            if math.isfinite(self.seconds):
-                n = max(self.model.max_chunk(start_position, 1 + n, self.seconds, self.step) - 1, 0)
+            seconds = self.seconds
+            if math.isfinite(seconds):
+                n = max(self.model.max_chunk(start_position, 1 + n, seconds, self.step) - 1, 0)
             self._charge(start_position, 1 + n)
         self.tokens -= n
         return n

@@ -101,11 +101,14 @@ class SLOPolicy(FCFSPolicy):
         self.config = config or SLOPolicyConfig()
         self.arrivals = ArrivalRate(self.config.rate_window_s, min_span_s=self.config.rate_min_span_s)
         self.lengths = OutputLengths(self.config.length_window)
+        self._mean_memo: dict[tuple[str, int, int], int] = {}   # remaining_mean's answers while `lengths`
+                                      # and the step stand (an admission test asks it ~6 times a request)
 
     # ---- remaining output tokens ------------------------------------------------------------------------
     def request_finished(self, request: Request) -> None:
         if _stops_by_itself(request) and request.finish_reason != FinishReason.ERROR:
             self.lengths.record(request.num_output_tokens, request.finish_reason == FinishReason.STOP)
+            self._mean_memo.clear()
 
     def _floor(self, r: Request) -> int:
         """Tokens r surely still produces: min_tokens masks its stops until then; at least 1."""
@@ -118,7 +121,12 @@ class SLOPolicy(FCFSPolicy):
 
     def remaining_mean(self, r: Request, cap: int) -> int:
         """The expected output tokens r still produces (rounded), at most `cap`."""
-        return self._remaining(r, cap, lambda n, m: round(self.lengths.expected_remaining(n, m)))
+        key = (r.request_id, r.num_output_tokens, cap)
+        value = self._mean_memo.get(key)
+        if value is None:
+            value = self._mean_memo[key] = self._remaining(
+                r, cap, lambda n, m: round(self.lengths.expected_remaining(n, m)))
+        return value
 
     def _remaining(self, r: Request, cap: int, estimate) -> int:
         """estimate(produced, max_tokens) for a request that may stop by itself, else exactly what max_tokens
@@ -179,12 +187,15 @@ class SLOPolicy(FCFSPolicy):
         return plain, min(plain, model.predict(y.features(len(running), positions)) / y.output_tokens)
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
-        model = scheduler.step_model
-        limit = self.step_limit_s(scheduler.running, now, model, decode_yield(scheduler))
-        if not math.isfinite(limit) or not model.is_fitted:
-            return StepBudget(scheduler.config.max_num_batched_tokens)
-        return StepBudget(scheduler.config.max_num_batched_tokens, limit - model.coefficients["intercept"],
-                          model, self.config.min_prefill_chunk)
+        """The step's time limit is computed only if a grant asks for it (a prefill chunk or drafts): it costs
+        O(running) Python, and most steps under load are decodes alone, which it never limits."""
+        self._mean_memo.clear()                   # a new step: every running request has a new token
+        model, tokens = scheduler.step_model, scheduler.config.max_num_batched_tokens
+        if not model.is_fitted:
+            return StepBudget(tokens)
+        running, y = list(scheduler.running), decode_yield(scheduler)      # as they are when the step begins
+        allowance = lambda: self.step_limit_s(running, now, model, y) - model.coefficients["intercept"]
+        return StepBudget(tokens, allowance, model, self.config.min_prefill_chunk)
 
     def running_order(self, running: list[Request]) -> list[Request]:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]

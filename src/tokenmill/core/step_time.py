@@ -96,14 +96,18 @@ class DecodeRows:
 PER_OP = DecodeRows()
 
 
-def chunk_features(start_position: int, num_new_tokens: int, rows: DecodeRows = PER_OP) -> StepFeatures:
-    """What computing num_new_tokens from start_position adds to a step: decode rows where `rows` takes the
-    chunk (as if the rest of its step qualified too), else prefill tokens."""
+def chunk_work(start_position: int, num_new_tokens: int, rows: DecodeRows = PER_OP) -> tuple[int, int, int]:
+    """What computing num_new_tokens from start_position adds to a step, as (decode rows, prefill tokens,
+    context reads): decode rows where `rows` takes the chunk (as if the rest of its step qualified too),
+    else prefill tokens. Plain ints: a budget adds one per grant, every step."""
     n, s = num_new_tokens, start_position
     reads = n * s + n * (n + 1) // 2
-    if rows.takes(s, n):
-        return StepFeatures(decode_rows=n, context_reads=reads)
-    return StepFeatures(prefill_tokens=n, context_reads=reads)
+    return (n, 0, reads) if rows.takes(s, n) else (0, n, reads)
+
+
+def chunk_features(start_position: int, num_new_tokens: int, rows: DecodeRows = PER_OP) -> StepFeatures:
+    """chunk_work as StepFeatures."""
+    return StepFeatures(*chunk_work(start_position, num_new_tokens, rows))
 
 
 def step_features(sched_out: SchedulerOutput, rows: DecodeRows = PER_OP) -> StepFeatures:
