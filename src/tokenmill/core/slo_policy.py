@@ -188,10 +188,11 @@ class SLOPolicy(FCFSPolicy):
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
         """The step's time limit is computed only if a grant asks for it (a prefill chunk or drafts): it costs
-        O(running) Python, and most steps under load are decodes alone, which it never limits."""
+        O(running) Python, and most steps under load are decodes alone, which it never limits. Without a
+        running TPOT target there is no limit (an Offline batch: its budget counts nothing)."""
         self._mean_memo.clear()                   # a new step: every running request has a new token
         model, tokens = scheduler.step_model, scheduler.config.max_num_batched_tokens
-        if not model.is_fitted:
+        if not model.is_fitted or all(_tpot_s(r) is None for r in scheduler.running):
             return StepBudget(tokens)
         running, y = list(scheduler.running), decode_yield(scheduler)      # as they are when the step begins
         allowance = lambda: self.step_limit_s(running, now, model, y) - model.coefficients["intercept"]
