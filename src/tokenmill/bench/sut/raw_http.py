@@ -45,9 +45,16 @@ class RawHttpClient:
         request = (f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n").encode() + body
         reused = bool(self._idle)
         reader, writer = self._idle.pop() if reused else await self._connect()
-        writer.write(request)
-        status_line = await reader.readline()
-        if not status_line and reused:          # the server closed the idle connection: retry once, fresh
+        try:
+            writer.write(request)
+            status_line = await reader.readline()
+        except ConnectionError:                 # reset: on a pooled connection, the server dropped it idle
+            if not reused:
+                raise
+            status_line = b""
+        if not status_line and reused:
+            # The server closed (EOF) or reset (RST, racing its keep-alive timeout) the idle connection before
+            # reading the request, so it never ran: retry once, on a fresh connection.
             writer.close()
             reader, writer = await self._connect()
             writer.write(request)
