@@ -67,11 +67,6 @@ class StepFeatures:
         return StepFeatures(self.decode_rows + other.decode_rows, self.prefill_tokens + other.prefill_tokens,
                             self.context_reads + other.context_reads)
 
-    def minus(self, other: "StepFeatures") -> "StepFeatures":
-        """A real step with other's work (a part of it) taken out."""
-        return StepFeatures(self.decode_rows - other.decode_rows, self.prefill_tokens - other.prefill_tokens,
-                            self.context_reads - other.context_reads)
-
 
 NO_WORK = StepFeatures()
 
