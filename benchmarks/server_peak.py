@@ -2,11 +2,12 @@
 llama.cpp's `llama-server` on the same model file when it is built (../shared/peers/llama_server_setup.sh).
 
 For each system, in turn on a quiet machine: start the server, run `tokenmill bench offline --url` (all
-queries at t = 0: the system's Offline tok/s over the same client; --offline-runs times, the best counted) and `tokenmill bench find-peak --url`
-(Poisson arrivals, the profile's p99 TTFT / TPOT limits), stop the server. Prints one table with each
-system's Offline tok/s, peak QPS, completed tok/s there, Server/Offline, the step-time bound where the
-server reports its model, and the peak QPS as a ratio of the other systems'. With --rounds N the systems
-alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land under --out-dir.
+queries at t = 0: the system's Offline tok/s over the same client; --offline-runs times, the best counted)
+and `tokenmill bench find-peak --url` (Poisson arrivals, the profile's p99 TTFT / TPOT limits), stop the
+server. Prints one table with each system's Offline tok/s, peak QPS, completed tok/s there, Server/Offline,
+the step-time bound where the server reports its model, and the peak QPS as a ratio of the other systems'.
+With --rounds N the systems alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land
+under --out-dir.
 
     python benchmarks/server_peak.py [--systems slo,fcfs,llama-server] [--profile llama3.1-8b]
         [--quantization int4] [--min-duration-s 60] [--rounds 1] [--confirm-duration-s 600]
@@ -217,9 +218,10 @@ def measure(args, system: System, port: int, round_no: int, hold_from: float | N
     summary = peak["summary"]
     run = peak["runs"][0]["metrics"] if summary.get("peak_qps") else {}
     bound = (summary.get("step_time_bound") or {}).get("tokens_per_s")
-    return {"offline_tps": max(offline_runs_tps), "offline_runs_tps": offline_runs_tps, "peak_qps": summary.get("peak_qps"),
-            "server_tps": run.get("completed_tokens_per_s"), "ttft_p99": run.get("ttft_ms", {}).get("p99"),
-            "tpot_p99": run.get("tpot_ms", {}).get("p99"), "bound_tps": bound, **held}
+    return {"offline_tps": max(offline_runs_tps), "offline_runs_tps": offline_runs_tps,
+            "peak_qps": summary.get("peak_qps"), "server_tps": run.get("completed_tokens_per_s"),
+            "ttft_p99": run.get("ttft_ms", {}).get("p99"), "tpot_p99": run.get("tpot_ms", {}).get("p99"),
+            "bound_tps": bound, **held}
 
 
 def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
@@ -261,6 +263,7 @@ def fmt(v, d=1) -> str:
     return "-" if v is None else f"{v:.{d}f}"
 
 
+PER_RUN_KEYS = ("held_runs", "offline_runs_tps")   # a measurement's lists: kept per round, no medians
 # The figures of a table's rows: the search's peak run, or the run that held for --confirm-duration-s.
 PEAK_KEYS = {"qps": "peak_qps", "tps": "server_tps", "ttft": "ttft_p99", "tpot": "tpot_p99", "bound": "bound_tps"}
 HELD_KEYS = {"qps": "held_qps", "tps": "held_tps", "ttft": "held_ttft_p99", "tpot": "held_tpot_p99",
@@ -300,7 +303,7 @@ def main() -> None:
             print(f"round {r + 1}: {s.name} ...", file=sys.stderr, flush=True)
             results[s.name].append(measure(args, s, port, r + 1, start))
             print(f"  {results[s.name][-1]}", file=sys.stderr, flush=True)
-    med = {name: {k: median([x[k] for x in rows]) for k in rows[0] if k != "held_runs"}
+    med = {name: {k: median([x[k] for x in rows]) for k in rows[0] if k not in PER_RUN_KEYS}
            for name, rows in results.items() if rows}
     length = "MLPerf length" if args.min_duration_s >= 600 else f"development length ({args.min_duration_s:g} s runs)"
     print(f"\nprofile {args.profile}, {args.dataset} {args.prompt_len}->{args.output_len}, tokenmill quantization "

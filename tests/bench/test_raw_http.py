@@ -11,11 +11,11 @@ RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Enc
             b"8\r\ndata: 1\n\r\n0\r\n\r\n")
 
 
-async def _read_request(reader: asyncio.StreamReader) -> bool:
+async def _read_request(reader: asyncio.StreamReader) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     await reader.readexactly(length)
-    return True
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

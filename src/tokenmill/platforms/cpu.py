@@ -100,6 +100,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if dtype != torch.float32:
         return torch.zeros(shape, dtype=dtype)
     count = int(np.prod(shape))
-    region = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled on first touch
+    region = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zeros on first touch
     raw = np.frombuffer(region, dtype=np.float32, count=count)   # keeps `region` alive as long as the tensor
     return torch.from_numpy(raw.reshape(shape))
