@@ -17,14 +17,17 @@ life, far more than by any one step. So, per step:
   A TTFT allowance is the time from arrival to the latest start of the step computing the rest of the prompt
   whole (the deadline less that step's predicted time);
 - waiting requests by least slack against their TTFT deadline (arrival + target, or + default_ttft_s for
-  requests without one: the deadline ages them, so nothing starves);
+  requests without one: the deadline ages them); those whose TTFT is already lost (waited past their TTFT
+  allowance) after every request that can still meet its target, and any request held max_hold_s before all
+  (nothing starves);
 - admission by forecast (core/batch_forecast.py): the batch over the coming steps, running requests leaving
   as their tokens run out and new ones arriving at the recent rate; a request waits while, in that forecast,
-  it would run past margin * its target or would push a running request past its own. A request that has
-  waited urgent_fraction of its TTFT allowance is admitted anyway (its TTFT miss would be certain, a TPOT miss
-  is only forecast), so a hold is made only where a running request is forecast to leave before then (else
-  the batch it joins later is no smaller, and holding it only spends its TTFT); when even one request alone
-  would miss, admission serves throughput.
+  it would run past margin * its target or would push a running request past its own, provided a running
+  request is forecast to leave before it has waited max_hold_s (else the batch it joins later is no smaller,
+  and holding it only spends its TTFT). A held request is not admitted because its TTFT runs short: a TTFT
+  miss is one request's, while a batch pushed past its TPOT bar misses every running request's target (near
+  the step-time bound, admitting held requests as their deadlines near turns a burst's queue into a batch
+  past the TPOT limit). When even one request alone would miss, admission serves throughput.
 It drops nothing: a request that cannot meet its target still runs to completion.
 
 With speculation a decoding request computes 1 + d tokens a step and yields 1 + a output tokens (drafts
@@ -57,8 +60,10 @@ class SLOPolicyConfig:
     horizon_steps: int = 32           # steps ahead a request's TPOT projection spreads this step over
     default_ttft_s: float = 10.0      # TTFT deadline of requests without a target (aging)
     min_prefill_chunk: int = 16       # tokens a step's first prefill chunk may take past the time limit
-    urgent_fraction: float = 0.5      # a waiting request past this fraction of its TTFT allowance is admitted
-    prefill_urgent_fraction: float = 0.75   # ... past this fraction, its prefill ignores the time limit
+    max_hold_s: float = 30.0          # no request waits for admission longer than this (s): past it, it goes
+                                      # first and is admitted regardless (nothing starves)
+    prefill_urgent_fraction: float = 0.75   # a prefill past this fraction of its TTFT allowance ignores the
+                                      # time limit
     whole_prefill_ttft_ratio: float = 3.5   # a prompt whose TTFT allowance is under this many times its
                                       # prefill's time is not cut for the time limit (prefill_floor)
     rate_window_s: float = 60.0       # arrival rate over this window (the forecast's future arrivals)
@@ -208,14 +213,34 @@ class SLOPolicy(FCFSPolicy):
         super().add_waiting(waiting, request)
 
     def order_waiting(self, waiting: deque[Request], scheduler: "Scheduler", now: float) -> None:
-        """Least slack first: TTFT deadline minus the predicted time of the prefill still to compute (now is
-        common to all, so it drops out). Stable: equal slack keeps arrival order."""
+        """Requests held max_hold_s first (by arrival), then those that can still meet their TTFT target,
+        then those whose TTFT is lost (_ttft_lost); within each, least slack: TTFT deadline minus the
+        predicted time of the prefill still to compute (now is common to all, so it drops out). Stable:
+        equal keys keep arrival order."""
         if len(waiting) > 1:
             model = scheduler.step_model
-            ranked = sorted(waiting, key=lambda r: _deadline(r, self.config) - model.chunk_marginal(
-                0, r.num_tokens))
+            decode = self._decode_only_step(scheduler.running) if model.is_fitted else None
+
+            def key(r: Request) -> tuple[int, float]:
+                if now - r.arrival_time > self.config.max_hold_s:
+                    return 0, r.arrival_time
+                deadline = _deadline(r, self.config)
+                lost = decode is not None and self._ttft_lost(r, now, deadline, model, decode)
+                return 2 if lost else 1, deadline - model.chunk_marginal(0, r.num_tokens)
+
+            ranked = sorted(waiting, key=key)
             waiting.clear()
             waiting.extend(ranked)
+
+    @staticmethod
+    def _ttft_lost(r: Request, now: float, deadline: float, model, decode: StepFeatures) -> bool:
+        """r has a TTFT target it can no longer meet: before its first token, and even its whole remaining
+        prefill in a step starting now (a decode-only step of the running batch plus that prefill) would end
+        past its deadline."""
+        if r.sampling_params.ttft_target_ms is None or r.first_token_time is not None:
+            return False
+        chunk = model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+        return now + model.predict(decode.plus(chunk)) > deadline
 
     def may_admit(self, request: Request, scheduler: "Scheduler", now: float) -> bool:
         running = scheduler.running
@@ -228,13 +253,13 @@ class SLOPolicy(FCFSPolicy):
         if steady / alone.output_tokens > self.config.tpot_margin * min(
                 t for t in map(_tpot_s, batch) if t is not None):
             return True                       # not even one request alone meets it: serve for throughput
-        if self._urgent(request, scheduler, now):
-            return True                       # a TTFT miss is certain if it waits; a TPOT miss only forecast
+        if now - request.arrival_time > self.config.max_hold_s:
+            return True                       # held long enough: nothing starves
         before, after = self.forecast(running, model, now, y), self.forecast(batch, model, now, y)
         aim = self.config.tpot_margin
         hold = (self.projected_tpot_s(request, after, now) > aim * (_tpot_s(request) or math.inf)
                 or any(self._would_miss(r, before, after, aim, now) for r in running))
-        return not (hold and self._hold_can_end(request, scheduler, now, before))
+        return not (hold and self._hold_can_end(request, now, before))
 
     def forecast(self, batch: list[Request], model, now: float, y: DecodeYield = PLAIN) -> BatchForecast:
         """The batch over the coming steps if `batch` runs now (core/batch_forecast.py), in steps: a request
@@ -294,11 +319,6 @@ class SLOPolicy(FCFSPolicy):
             self.config.whole_prefill_ttft_ratio * (whole_s - decode_s)
         return request.num_tokens - request.num_computed_tokens if tight else 0
 
-    def _urgent(self, r: Request, scheduler: "Scheduler", now: float) -> bool:
-        """r, with a TTFT target, has used more than urgent_fraction of its TTFT allowance waiting."""
-        return r.sampling_params.ttft_target_ms is not None and self._waited_past(
-            r, scheduler, now, self.config.urgent_fraction)
-
     def _waited_past(self, r: Request, scheduler: "Scheduler", now: float, fraction: float) -> bool:
         """r has waited more than `fraction` of its TTFT allowance (_ttft_allowance_s)."""
         return now - r.arrival_time > fraction * self._ttft_allowance_s(r, scheduler)
@@ -327,14 +347,13 @@ class SLOPolicy(FCFSPolicy):
         """A decode-only step of `running`, one token each."""
         return PLAIN.features(len(running), sum(q.num_tokens - 1 for q in running))
 
-    def _hold_can_end(self, r: Request, scheduler: "Scheduler", now: float, before: BatchForecast) -> bool:
-        """Holding r back can end in a smaller batch: a running request is forecast to leave before r goes
-        urgent (urgent_fraction of its TTFT allowance), when it is admitted anyway. Otherwise the batch it
-        would join then is no smaller than now's, and holding it only spends its TTFT."""
-        if r.sampling_params.ttft_target_ms is None or not before.remaining:
+    def _hold_can_end(self, r: Request, now: float, before: BatchForecast) -> bool:
+        """Holding r back can end in a smaller batch: a running request is forecast to leave before r has
+        waited max_hold_s, when it is admitted regardless. Otherwise the batch it would join then is no
+        smaller than now's, and holding it only spends its TTFT."""
+        if not before.remaining:
             return True
-        wait_left = self.config.urgent_fraction * self._ttft_allowance_s(r, scheduler) - (now - r.arrival_time)
-        return before.time_s(before.remaining[0]) < wait_left
+        return before.time_s(before.remaining[0]) < self.config.max_hold_s - (now - r.arrival_time)
 
     def steady_step_s(self, batch: list[Request], model, y: DecodeYield = PLAIN) -> float:
         """Predicted step time once `batch` decodes together (each request's new tokens as y says) while
