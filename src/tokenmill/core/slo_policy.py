@@ -224,23 +224,21 @@ class SLOPolicy(FCFSPolicy):
             def key(r: Request) -> tuple[int, float]:
                 if now - r.arrival_time > self.config.max_hold_s:
                     return 0, r.arrival_time
-                deadline = _deadline(r, self.config)
-                lost = decode is not None and self._ttft_lost(r, now, deadline, model, decode)
-                return 2 if lost else 1, deadline - model.chunk_marginal(0, r.num_tokens)
+                lost = decode is not None and self._ttft_lost(r, scheduler, now, decode)
+                return 2 if lost else 1, _deadline(r, self.config) - model.chunk_marginal(0, r.num_tokens)
 
             ranked = sorted(waiting, key=key)
             waiting.clear()
             waiting.extend(ranked)
 
-    @staticmethod
-    def _ttft_lost(r: Request, now: float, deadline: float, model, decode: StepFeatures) -> bool:
-        """r has a TTFT target it can no longer meet: before its first token, and even its whole remaining
-        prefill in a step starting now (a decode-only step of the running batch plus that prefill) would end
-        past its deadline."""
+    def _ttft_lost(self, r: Request, scheduler: "Scheduler", now: float, decode: StepFeatures) -> bool:
+        """r has a TTFT target it can no longer meet: before its first token and past its TTFT allowance
+        (even its whole remaining prefill in a step starting now would end past its deadline). decode: the
+        running batch's decode-only step, computed once for the whole queue."""
         if r.sampling_params.ttft_target_ms is None or r.first_token_time is not None:
             return False
-        chunk = model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
-        return now + model.predict(decode.plus(chunk)) > deadline
+        whole_s = self._whole_prefill_step_s(r, scheduler, decode)[1]
+        return now - r.arrival_time > self._ttft_allowance_s(r, scheduler, whole_s)
 
     def may_admit(self, request: Request, scheduler: "Scheduler", now: float) -> bool:
         running = scheduler.running
@@ -334,11 +332,12 @@ class SLOPolicy(FCFSPolicy):
             allowance -= self._whole_prefill_step_s(r, scheduler)[1] if whole_s is None else whole_s
         return max(allowance, 0.0)
 
-    def _whole_prefill_step_s(self, r: Request, scheduler: "Scheduler") -> tuple[float, float]:
-        """Predicted seconds of a decode-only step of the running batch, and of that step with the rest of
-        r's prompt added whole."""
+    def _whole_prefill_step_s(self, r: Request, scheduler: "Scheduler",
+                              decode: StepFeatures | None = None) -> tuple[float, float]:
+        """Predicted seconds of a decode-only step of the running batch (`decode`, computed here if not
+        given), and of that step with the rest of r's prompt added whole."""
         model = scheduler.step_model
-        decode = self._decode_only_step(scheduler.running)
+        decode = decode if decode is not None else self._decode_only_step(scheduler.running)
         whole = decode.plus(model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens))
         return model.predict(decode), model.predict(whole)
 
