@@ -180,6 +180,13 @@ def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kbl
     raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
 
 
+def full_scale(scale: torch.Tensor, strategy: str, n: int, k: int) -> torch.Tensor:
+    """The checkpoint's weight scale as every weight's [n, K] (differentiable: scale tuning trains it)."""
+    kblock = BLOCK if strategy == "block" else k
+    per_block = expand_scale(torch.empty(n, k, device="meta"), strategy, scale, kblock)
+    return per_block.repeat_interleave(kblock, dim=1)[:, :k]
+
+
 def _kblock(parts, k: int) -> int:
     """Inputs per scale: 128 when any shard's scales are 128 x 128 blocks, else the whole row."""
     return BLOCK if any(strategy == "block" for _, strategy, _ in parts) else k

@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from tokenmill.quant.fp8 import BLOCK, E4M3_MAX
+from tokenmill.quant.fp8 import BLOCK, E4M3_MAX, full_scale
 from tokenmill.quant.gptq import GPTQConfig, output_error, quantize_weight
+from tokenmill.quant.scale_tuning import ScaleTuningConfig
 
 STRATEGIES = ("tensor", "channel", "block")
 ALGORITHMS = ("gptq", "rtn")
@@ -56,6 +57,12 @@ class QuantizeConfig:
     seed: int = 0
     sequential: bool = True                # each decoder layer calibrated on the rounded earlier layers
     scale_search: int = 16                 # scale factors tried per group in [1, 2) (1: absmax / 448 only)
+    tuning: ScaleTuningConfig = field(default_factory=ScaleTuningConfig)   # scales trained end to end after
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether quantizing reads calibration text (GPTQ's statistics, or the scales' tuning)."""
+        return self.algorithm == "gptq" or self.tuning.epochs > 0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -155,17 +162,13 @@ def fp8_scales(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tens
     a = w.abs().float()
     if strategy == "tensor":
         scale = a.amax().reshape(1)
-        full = scale.expand(n, k)
     elif strategy == "channel":
         scale = a.amax(dim=1, keepdim=True)
-        full = scale.expand(n, k)
     else:
         pad = nn.functional.pad(a, (0, -k % BLOCK, 0, -n % BLOCK))
         scale = pad.view(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK).amax(dim=(1, 3))
-        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
-    scale = torch.where(scale > 0, scale / E4M3_MAX, torch.ones_like(scale))
-    full = torch.where(full > 0, full / E4M3_MAX, torch.ones_like(full))
-    return scale.contiguous(), full.contiguous()
+    scale = torch.where(scale > 0, scale / E4M3_MAX, torch.ones_like(scale)).contiguous()
+    return scale, full_scale(scale, strategy, n, k).contiguous()
 
 
 def round_e4m3(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -210,13 +213,8 @@ def searched_scales(w: torch.Tensor, hessian: torch.Tensor, strategy: str, candi
         else:
             better = err < best_err
             best_err, best_f = torch.where(better, err, best_err), torch.where(better, torch.full_like(err, f), best_f)
-    factor = best_f.float()
-    if strategy == "block":
-        n, k = w.shape
-        full = full * factor.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
-    else:
-        full = full * factor.view(-1, 1)                            # [1] (tensor) or [N] (channel)
-    return (scale * factor.view(scale.shape)).contiguous(), full.contiguous()
+    scale = (scale * best_f.float().view(scale.shape)).contiguous()
+    return scale, full_scale(scale, strategy, *w.shape).contiguous()
 
 
 def _group_errors(e: torch.Tensor, h: torch.Tensor, strategy: str) -> torch.Tensor:
@@ -308,8 +306,9 @@ def _round_in_place(linear: nn.Linear, hessian: torch.Tensor, cfg: QuantizeConfi
 
 
 def write_checkpoint(out: str, model: nn.Module, source, quantized: dict[str, QuantizedLinear],
-                     cfg: QuantizeConfig, tokens: int) -> None:
-    """The checkpoint at `out`: model.safetensors, config.json, the tokenizer, quantize_report.json."""
+                     cfg: QuantizeConfig, tokens: int, tuning=None) -> None:
+    """The checkpoint at `out`: model.safetensors, config.json, the tokenizer, quantize_report.json (with
+    the scale tuning's TuningResult, when the scales were tuned)."""
     from safetensors.torch import save_file
     os.makedirs(out, exist_ok=True)
     tied = getattr(source.hf_config, "tie_word_embeddings", False)
@@ -335,6 +334,10 @@ def write_checkpoint(out: str, model: nn.Module, source, quantized: dict[str, Qu
     report = {"source": source.path, "settings": asdict(cfg), "calibration_tokens": tokens,
               "layers": {n: {"output_error": q.error, "rtn_output_error": q.rtn_error}
                          for n, q in quantized.items()}}
+    if tuning is not None:
+        report["scale_tuning"] = {"heldout_kl_before": tuning.heldout_kl_before,
+                                  "heldout_kl_after": tuning.heldout_kl_after, "kept": tuning.kept,
+                                  "steps": len(tuning.losses)}
     with open(os.path.join(out, REPORT_FILE), "w") as f:
         json.dump(report, f, indent=2)
 

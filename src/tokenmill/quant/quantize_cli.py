@@ -32,6 +32,10 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--scale-search", type=int, default=d.scale_search,
                    help="scale factors in [1, 2) tried per scale group, the one with the least output error kept "
                         "(1: absmax / 448 as round-to-nearest sets it)")
+    p.add_argument("--tune-scales-epochs", type=int, default=d.tuning.epochs,
+                   help="after rounding, train the scales (codes fixed) on the calibration text against the "
+                        "float model's next-token distributions, this many passes (0: GPTQ's scales as they are)")
+    p.add_argument("--tune-scales-lr", type=float, default=d.tuning.lr, help="the scale tuning's step size")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=cmd_quantize)
 
@@ -43,17 +47,19 @@ def cmd_quantize(ns) -> int:
     from tokenmill.loaders import open_model_source
     from tokenmill.quant import offline
     from tokenmill.quant.gptq import GPTQConfig
+    from tokenmill.quant.scale_tuning import ScaleTuningConfig
     from tokenmill.selfgen import written_sequences
     cfg = offline.QuantizeConfig(strategy=ns.strategy, algorithm=ns.algorithm,
                                  gptq=GPTQConfig(damp=ns.damp, act_order=ns.act_order),
                                  num_sequences=ns.num_calibration_sequences, max_tokens=ns.calibration_max_tokens,
-                                 seed=ns.seed, sequential=ns.sequential, scale_search=ns.scale_search)
+                                 seed=ns.seed, sequential=ns.sequential, scale_search=ns.scale_search,
+                                 tuning=ScaleTuningConfig(epochs=ns.tune_scales_epochs, lr=ns.tune_scales_lr))
     console, t0 = Console(stderr=True), time.perf_counter()
     source = open_model_source(ns.model)
     offline.check_dense(source.hf_config)
     with Progress(console=console) as progress:
-        hessians, tokens = None, 0
-        if cfg.algorithm == "gptq":
+        hessians, tokens, tuning = None, 0, None
+        if cfg.needs_text:
             task = progress.add_task(f"the model writes {cfg.num_sequences} calibration texts", total=None)
             llm = LLM(ns.model, enable_prefix_caching=False)
             sequences = written_sequences(llm, cfg.num_sequences, cfg.max_tokens, cfg.seed)
@@ -69,13 +75,30 @@ def cmd_quantize(ns) -> int:
                 task = progress.add_task("reading the calibration texts", total=len(sequences))
                 hessians, tokens = offline.collect_hessians(model, sequences, lambda: progress.advance(task))
             quantized = quantize_all(model, hessians, cfg, progress)
-    offline.write_checkpoint(ns.out, model, source, quantized, cfg, tokens)
+        if cfg.tuning.epochs:
+            tuning = tune(model, source, quantized, sequences, cfg, progress)
+    offline.write_checkpoint(ns.out, model, source, quantized, cfg, tokens, tuning)
     done = f"saved {ns.out}: {len(quantized)} layers in FP8 ({cfg.strategy}, {cfg.algorithm})"
     if tokens:
         ratio = sum(q.error for q in quantized.values()) / max(sum(q.rtn_error for q in quantized.values()), 1e-30)
         done += f", output error {ratio:.1%} of round-to-nearest's on {tokens} calibration tokens"
+    if tuning is not None:
+        done += (f"; scales tuned: held-out KL {tuning.heldout_kl_before:.5f} -> {tuning.heldout_kl_after:.5f} nats"
+                 + ("" if tuning.kept else " (not lower: GPTQ's scales kept)"))
     console.print(f"{done}, {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def tune(model, source, quantized, sequences, cfg, progress):
+    """The scales trained end to end against the float model (quant/scale_tuning.py); its TuningResult."""
+    from tokenmill.quant import offline
+    from tokenmill.quant.scale_tuning import tune_scales
+    teacher = offline.float_model(source)
+    task = progress.add_task(f"tuning the scales ({cfg.tuning.epochs} epochs)", total=None)
+
+    def on_step(step, steps, loss):
+        progress.update(task, completed=step, total=steps, description=f"tuning the scales: KL {loss:.5f}")
+    return tune_scales(model, teacher, quantized, sequences, cfg.strategy, cfg.tuning, cfg.seed, on_step)
 
 
 def quantize_all(model, hessians, cfg, progress) -> dict:
