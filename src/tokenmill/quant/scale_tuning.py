@@ -8,9 +8,9 @@ over the calibration sequences, the float model as teacher. Every weight stays `
 its code unchanged, so the checkpoint's meaning and layout are those of any FP8 checkpoint.
 
 Parameters: one log-factor per scale group, s = s0 * exp(f), f starting at 0 (so a scale stays positive and
-a step moves it by a relative amount). A tenth of the sequences (at least one) is held out; the tuned scales
-are kept only if their held-out KL is below the rounded model's (otherwise the scales are left as GPTQ set
-them, and the report says so)."""
+a step moves it by a relative amount). A tenth of the sequences (at least one; with a single sequence, that
+one is both trained on and checked) is held out; the tuned scales are kept only if their held-out KL is below
+the rounded model's (otherwise the scales are left as GPTQ set them, and the report says so)."""
 from __future__ import annotations
 
 import math
