@@ -101,3 +101,15 @@ def test_quantize_cli_writes_the_tuned_scales(tiny_model_factory, tmp_path):
         assert torch.equal(a[name + "_scale"], b[name + "_scale"])
     assert LLM(tuned, kv_cache_memory_bytes=1 << 22).generate(
         [[11, 220, 4890, 17]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_rtn_with_tuning_writes_calibration_text_first_and_bad_flags_exit_2(tiny_model_factory, tmp_path, capsys):
+    from tokenmill.cli import main
+    src = tiny_model_factory("llama")
+    out = str(tmp_path / "rtn-tuned")
+    assert main(["quantize", "--model", src, "--out", out, "--algorithm", "rtn", "--tune-scales-epochs", "1",
+                 "--num-calibration-sequences", "3", "--calibration-max-tokens", "16"]) == 0
+    report = json.load(open(os.path.join(out, "quantize_report.json")))
+    assert report["calibration_tokens"] == 0 and report["scale_tuning"]["steps"] == 2     # 3 texts, 1 held out
+    assert main(["quantize", "--model", src, "--out", out, "--tune-scales-epochs", "-1"]) == 2
+    assert "scale tuning epochs must be an integer >= 0, got -1" in capsys.readouterr().err
