@@ -27,7 +27,10 @@ the layout llm-compressor writes (quant/prequantized.py reads it).
 4. Writing: the float tensors as they are (a tied head stays tied), the codes and scales, config.json with
    its `quantization_config`, the tokenizer (and generation_config.json where the source has one), and
    quantize_report.json (settings, tokens, and per layer the output error trace((W - Q) H (W - Q)^T) of
-   the rounding chosen and of RTN)."""
+   the rounding chosen and of RTN).
+With `tuning.epochs` > 0 the scales are trained after rounding, before writing (quant/scale_tuning.py): the
+report's per-layer errors are then those of the rounding under the scales before tuning, and its
+`scale_tuning` entry gives the held-out KL before and after, and whether the tuned scales were kept."""
 from __future__ import annotations
 
 import json
