@@ -91,11 +91,12 @@ def _propose(s: Scheduler, k: int) -> None:
 
 def _observe_speculation(adaptive: AdaptiveDraftLength, out, produced, k: int, seconds: float) -> None:
     """What EngineCore feeds the adaptive draft length: each drafted request's acceptance, and the step's
-    tokens and seconds when it was all decodes."""
+    tokens and seconds when it was all decodes, each with the drafts it brought."""
     for sr in out.scheduled:
         if sr.num_draft_tokens:
             adaptive.observe_request(sr.num_draft_tokens, produced[sr.request_id] - 1)
-    if all(sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.output_token_ids for sr in out.scheduled):
+    if not out.num_requests_drafts_withheld and \
+            all(sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.output_token_ids for sr in out.scheduled):
         adaptive.observe_step(k, len(out.scheduled), seconds, sum(produced.values()))
 
 

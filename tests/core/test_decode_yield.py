@@ -10,7 +10,7 @@ from tokenmill.core.decode_yield import PLAIN, DecodeYield, DecodeYieldMeter
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput
 from tokenmill.core.policy import make_policy
-from tokenmill.core.request import Request
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.slo_policy import SLOPolicy
 from tokenmill.core.step_time import DecodeRows, StepFeatures, StepTimeModel
@@ -120,3 +120,63 @@ def test_drafts_that_do_not_pay_are_planned_as_plain_steps():
     assert policy.plan_yield(batch, model, losing) == (PLAIN, policy.steady_step_s(batch, model))   # 5 rows, 1.2 tokens
     assert policy.step_limit_s(batch, 0.0, model, losing) == policy.step_limit_s(batch, 0.0, model)
     assert policy.forecast(batch, model, 0.0, losing) == policy.forecast(batch, model, 0.0)
+
+
+def test_request_steps_whose_drafts_the_budget_withheld_are_not_measured():
+    """The meter measures the yield of drafting as proposed: a request granted fewer drafts than it brought
+    (the step's budget or the pool withheld them) is left out, and the step says how many were cut (the
+    engine's adaptive draft length then ignores it too)."""
+    s = Scheduler(SchedulerConfig(8, 5, max_model_len=512), KVCacheManager(64, 4, False), make_policy("slo"),
+                  StepTimeModel(prior=COSTS), clock=lambda: 0.0)     # 5 tokens a step
+    s.decode_yield = DecodeYieldMeter(decay=1.0)
+    for rid in ("a", "b"):
+        s.add_request(Request(rid, [3] * 2, SamplingParams(max_tokens=32, ignore_eos=True), arrival_time=0.0))
+    _step(s, {"a": [5], "b": [5]})
+    for r in s.running:
+        r.spec_token_ids = [5, 5]
+    out = _step(s, {"a": [5, 5, 7], "b": [5]})                  # a: 1 + 2 drafts; b: 1 + 1 of its 2
+    assert [sr.num_draft_tokens for sr in out.scheduled] == [2, 1]
+    assert out.num_requests_drafts_withheld == 1 and s.drafts_withheld == {"b"}
+    y = s.decode_yield.current
+    assert (y.prefill_tokens, y.output_tokens) == (3.0, 3.0)      # a alone: a chunk of 3, 3 tokens
+
+
+def _decoding_with_drafts(s: Scheduler, n: int) -> None:
+    """n decoding requests (their first token at 0 s, 60 tokens left, 50 ms TPOT targets), each bringing 4
+    drafts."""
+    for i in range(n):
+        r = _decoding_request(f"r{i}", 4, 0.0)
+        r.spec_token_ids = [5] * 4
+        s.add_request(r)
+        s.waiting.remove(r)
+        s.kv.allocate_slots(r, r.num_tokens)
+        r.status = RequestStatus.RUNNING
+        s.running.append(r)
+
+
+def test_a_step_limit_at_its_floor_keeps_the_drafts_that_pay():
+    """On a platform that verifies drafts as decode rows, 4 drafts a step yielding 3 tokens take less time
+    per output token than plain decodes. Requests behind their steady steps but still within reach of
+    decode-only steps put the step limit at its floor: that is the decode-only step with the drafts
+    (cutting them would lengthen every TPOT), and a waiting prompt gets only the minimum chunk of it, the
+    drafts the rest."""
+    rows, costs = DecodeRows(max_query_len=8, max_rows=64), {**COSTS, "intercept": 0.004, "per_decode_row": 0.0002}
+    clock = [0.0]
+    s = Scheduler(SchedulerConfig(8, 256, max_model_len=512), KVCacheManager(64, 16, False), make_policy("slo"),
+                  StepTimeModel(prior=costs, rows=rows), clock=lambda: clock[0])
+    s.decode_yield = DecodeYieldMeter(decay=1.0)
+    s.decode_yield.record(s.step_model.chunk_features(20, 5), 3)
+    _decoding_with_drafts(s, 4)
+    policy, model, y = s.policy, s.step_model, s.decode_yield.current
+    plain = model.predict(SLOPolicy._decode_only_step(s.running))
+    drafted = model.predict(y.features(4, sum(r.num_tokens - 1 for r in s.running)))
+    assert drafted / 3 < plain < drafted                         # the drafts pay per output token
+    # elapsed so that each request's allowance for its 60 tokens is just above 60 decode-only drafted tokens
+    clock[0] = policy.config.tpot_margin * 0.050 * 63 - 1.01 * 60 * drafted / 3
+    assert policy.step_limit_s(s.running, clock[0], model, y) == pytest.approx(drafted)
+    s.add_request(Request("p", [9] * 100, SamplingParams(max_tokens=8, ttft_target_ms=60_000.0),
+                          arrival_time=clock[0]))
+    out = s.schedule()
+    assert {sr.request_id: sr.num_draft_tokens for sr in out.scheduled if sr.request_id != "p"} == \
+        {f"r{i}": 4 for i in range(4)}
+    assert {sr.request_id: sr.num_new_tokens for sr in out.scheduled}["p"] == policy.config.min_prefill_chunk

@@ -2,6 +2,9 @@
 they are feasible and FCFS misses them, least-slack admission, no starvation, nothing lost."""
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from .slo_sim import TRUE_COSTS, Arrival, SimSpeculation, poisson_arrivals, simulate, true_step_s
@@ -12,7 +15,7 @@ from tokenmill.core.policy import make_policy
 from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.slo_policy import SLOPolicy, SLOPolicyConfig
-from tokenmill.core.step_time import StepFeatures, StepTimeModel, server_bound, step_features
+from tokenmill.core.step_time import DecodeRows, StepFeatures, StepTimeModel, server_bound, step_features
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -292,6 +295,26 @@ def test_prefill_a_steady_batch_cannot_carry_is_deferred_not_let_through():
     assert chunk == {"r": 1, "new": policy.config.min_prefill_chunk}
 
 
+@pytest.mark.parametrize("per_step_s", [0.0, 0.0074])
+def test_a_prompt_is_cut_no_smaller_than_the_per_step_prefill_costs_allow(per_step_s):
+    """As above, but on a platform where a step carrying prefill beside decodes pays per_step_s more (7.4 ms,
+    as int4 on this project's CPUs; its prompt tokens cost 1 ms here): a 16-token piece would spend 46% of
+    its time on that cost, so the first piece is the smallest whose tokens cost at least 1 /
+    max_piece_overhead times it; without such a cost, the minimum chunk."""
+    costs = {**TRUE_COSTS, "per_prefill_step": per_step_s / 2, "per_mixed_step": per_step_s / 2}
+    clock = [0.0]
+    s = _scheduler(costs=costs, clock=lambda: clock[0])
+    s.add_request(_eos_request("r", prompt=1000, max_tokens=8))
+    _step(s)
+    policy, model = s.policy, s.step_model
+    assert policy.step_limit_s(s.running, 0.0, model) == pytest.approx(model.predict(StepFeatures(1, 0, 1001)))
+    s.add_request(_eos_request("new", prompt=600, ttft=60_000.0))
+    chunk = {sr.request_id: sr.num_new_tokens for sr in s.schedule().scheduled}["new"]
+    piece = math.ceil(per_step_s / (policy.config.max_piece_overhead * TRUE_COSTS["per_prefill_token"]))
+    assert chunk == (policy.config.min_prefill_chunk if per_step_s == 0.0 else piece)
+    assert piece == (30 if per_step_s else 0)
+
+
 def test_a_prefill_near_its_ttft_deadline_takes_its_whole_chunk_past_the_limit():
     """Urgency is measured against the TTFT allowance: the deadline less the predicted step that computes
     the rest of the prompt whole, so the prefill that goes urgent still ends by its deadline."""
@@ -411,3 +434,30 @@ def test_server_targets_near_the_step_time_bound_slo_holds_both_limits_where_fcf
     assert fcfs.p99(fcfs.tpot_s.values()) > 0.100
     assert slo.p99(slo.tpot_s.values()) <= 0.100 and slo.p99(slo.ttft_s.values()) <= 2.0
     assert 4.5 * 128 / server_bound(slo.model, 128, 128, 0.100)["tokens_per_s"] > 0.9     # the load is near it
+
+
+# seconds per unit, as fitted online by an int4 server with n-gram speculation on this project's CPUs
+# (Interactive profile, 232-token prompts, 4.5-6 QPS); its fused decode program verifies drafts as rows
+_INT4_SPEC_CPU_COSTS = {"intercept": 0.00375, "per_decode_row": 0.00019, "per_prefill_token": 0.00012,
+                        "per_context_read": 1.25e-6, "per_prefill_step": 0.0032, "per_mixed_step": 0.0042}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_interactive_with_speculation_past_capacity_slo_meets_more_targets_than_cutting_prompts_or_fcfs(seed):
+    """The Interactive profile (p99 TTFT 500 ms, TPOT 30 ms; 232 -> 126 tokens) with drafts accepted 75%
+    of the time, at 5.75 QPS, past what these costs serve within the limits. FCFS admits every arrival and
+    loses TPOT to the bursts; an SLO policy that cuts prompts into 16-token pieces pays 7.4 ms of per-step
+    prefill costs a piece and loses the throughput to TTFT; cut no smaller than those costs allow, it meets
+    the most targets, with p99 TPOT within its limit."""
+    rng, t, arrivals = random.Random(seed), 0.0, []
+    for _ in range(300):
+        t += rng.expovariate(5.75)
+        arrivals.append(Arrival(t, 232, 126, ttft_target_ms=500.0, tpot_target_ms=30.0))
+    run = lambda policy: simulate(arrivals, policy, prior=_INT4_SPEC_CPU_COSTS, costs=_INT4_SPEC_CPU_COSTS,
+                                  rows=DecodeRows(17, 512), speculation=SimSpeculation(4, 0.75, seed=seed))
+    slo, fcfs = run("slo"), run("fcfs")
+    pieces = run(SLOPolicy(SLOPolicyConfig(max_piece_overhead=math.inf)))   # pieces of min_prefill_chunk
+    met = lambda res: sum(map(res.met, res.targets))
+    assert sorted(slo.num_output.values()) == [126] * 300
+    assert met(slo) >= met(pieces) + 5 and met(slo) >= met(fcfs) + 20
+    assert slo.p99(slo.tpot_s.values()) <= 0.030 < fcfs.p99(fcfs.tpot_s.values())

@@ -42,6 +42,9 @@ class SchedulerOutput:
     # speculation with a worker-side proposer (spec/drafter.py): drafts to propose per request that samples,
     # for the next step; each such request's block table has room for that many positions past its tokens
     num_lookahead_tokens: int = 0
+    # speculation: decoding requests this step granted fewer drafts than they brought (the step's budget or
+    # the KV pool withheld the rest); such a step does not show what their draft length yields
+    num_requests_drafts_withheld: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -20,24 +20,34 @@ if TYPE_CHECKING:
     from tokenmill.core.scheduler import Scheduler
 
 
+_ROUNDING_S = 1e-9      # predicted times are float sums: a reserve sized for exact drafts must not miss the last
+                        # one by rounding
+
+
 @dataclass
 class StepBudget:
     """What is left of one step. tokens: new tokens (decode tokens and prefill chunks). allowance_s: the
     predicted seconds the step's work may take beyond the model's intercept (inf: no time limit), or a
     callable that computes them, asked once, when a grant first needs the time left: a decode token is
     always granted while tokens are left (a running request never stalls), so a step of decodes alone never
-    pays for its limit. A prefill chunk is sized into the time left (`seconds`), but the step's first chunk
+    pays for its limit. A prefill chunk is sized into the time left (`prefill_seconds`), but the step's first chunk
     may take min_prefill_chunk tokens past it, so prefills always progress. Each grant adds its work to
     `step`; the time left is the allowance less what the model predicts `step` adds to an empty step, so
     the step's first prefill chunk pays the model's per-step prefill costs (per_prefill_step, and
-    per_mixed_step where decode rows were granted before it), later ones only their tokens."""
+    per_mixed_step where decode rows were granted before it), later ones only their tokens.
+    draft_reserve_s: seconds of the allowance that prefill chunks may not take, kept for the drafts granted
+    last (or a callable, asked with the allowance): where drafts lower the time per output token, a step
+    held to its limit spends it on them. A prefill chunk granted past the time left (the step's minimum
+    chunk, or a timeless one) lengthens the step by its excess and leaves the reserve whole."""
     tokens: int
     allowance_s: float | Callable[[], float] = math.inf
     model: StepTimeModel | None = None
     min_prefill_chunk: int = 0
+    draft_reserve_s: float | Callable[[], float] = 0.0
     prefill_granted: bool = False
     _work: list[int] = field(default_factory=lambda: [0, 0, 0])   # granted so far: decode rows, prefill
                                        # tokens, context reads (counted only with a model)
+    _overdraft_s: float = 0.0          # predicted seconds prefill chunks were granted past prefill_seconds
 
     @property
     def step(self) -> StepFeatures:
@@ -46,12 +56,20 @@ class StepBudget:
 
     @property
     def seconds(self) -> float:
-        """Predicted seconds left in the step (inf: no time limit)."""
+        """Predicted seconds left in the step (inf: no time limit); drafts may take all of it."""
         if callable(self.allowance_s):
             self.allowance_s = self.allowance_s()
         if self.model is None or not math.isfinite(self.allowance_s):
             return self.allowance_s
         return self.allowance_s - (self.model.predict(self.step) - self.model.predict(NO_WORK))
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Predicted seconds left in the step for prefill chunks: `seconds` less the drafts' reserve."""
+        seconds = self.seconds
+        if callable(self.draft_reserve_s):
+            self.draft_reserve_s = self.draft_reserve_s()
+        return seconds - self.draft_reserve_s if math.isfinite(seconds) else seconds
 
     def grant(self, start_position: int, wanted: int, timeless: bool = False, floor: int = 0) -> int:
         """How many of `wanted` new tokens from start_position this step computes; charges them.
@@ -60,15 +78,16 @@ class StepBudget:
         n = min(wanted, self.tokens)
         if n <= 0:
             return 0
-        if self.model is not None and n > 1 and not timeless:
-            seconds = self.seconds
-            if math.isfinite(seconds):
-                fits = self.model.max_chunk(start_position, n, seconds, self.step)
-                if fits < n and not self.prefill_granted:
-                    fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
-                n = fits
+        seconds = self.prefill_seconds if self.model is not None and n > 1 else math.inf
+        if math.isfinite(seconds) and not timeless:
+            fits = self.model.max_chunk(start_position, n, seconds, self.step)
+            if fits < n and not self.prefill_granted:
+                fits = max(fits, min(n, max(self.min_prefill_chunk, floor)))
+            n = fits
         if n <= 0:
             return 0
+        if math.isfinite(seconds):            # a chunk past the time left does not take the drafts' reserve
+            self._overdraft_s += max(self.model.chunk_marginal(start_position, n, self.step) - max(seconds, 0.0), 0.0)
         self.tokens -= n
         self.prefill_granted |= n > 1
         self._charge(start_position, n)
@@ -91,7 +110,7 @@ class StepBudget:
             return 0
         if self.model is not None:
             self._uncharge(start_position, 1)
-            seconds = self.seconds
+            seconds = self.seconds + self._overdraft_s + _ROUNDING_S
             if math.isfinite(seconds):
                 n = max(self.model.max_chunk(start_position, 1 + n, seconds, self.step) - 1, 0)
             self._charge(start_position, 1 + n)

@@ -45,8 +45,10 @@ class Scheduler:
         # new tokens (the drafter writes its own cache there while chaining drafts)
         self.num_lookahead_tokens = 0
         # with speculation: what a step computes and yields per decoding request, measured (policies read
-        # it); None: no speculation, one decode row and one output token each
+        # it) on request steps that got all the drafts they brought (the yield drafting as proposed gives,
+        # not what a step's budget left of it); None: no speculation, one decode row and one output token each
         self.decode_yield: DecodeYieldMeter | None = None
+        self.drafts_withheld: set[str] = set()   # this step's decoding requests granted fewer drafts than brought
 
     # ---- admission and removal -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -99,9 +101,9 @@ class Scheduler:
         if not preempted:
             self.policy.order_waiting(self.waiting, self, now)
             self._schedule_waiting(budget, scheduled, now)
-            self._schedule_drafts(budget, scheduled)
+        self.drafts_withheld = self._schedule_drafts(budget, scheduled, allowed=not preempted)
         out = SchedulerOutput(scheduled, self.finished_since_last_step, preempted, self.trimmed_since_last_step,
-                              self.num_lookahead_tokens)
+                              self.num_lookahead_tokens, len(self.drafts_withheld))
         self.finished_since_last_step, self.trimmed_since_last_step = [], []
         return out
 
@@ -162,25 +164,27 @@ class Scheduler:
                 request.first_scheduled_time = now
             scheduled.append(self._scheduled(request, num_new))
 
-    def _schedule_drafts(self, budget: StepBudget, scheduled: list) -> None:
+    def _schedule_drafts(self, budget: StepBudget, scheduled: list, allowed: bool = True) -> set[str]:
         """Each decoding request with drafts (in scheduled order) grows its 1 decode token by as many drafts
-        as the budget left and the pool has slots for."""
-        threshold = self.config.long_prefill_token_threshold
+        as the budget left and the pool has slots for (none where not `allowed`). Returns the ids of the
+        requests that got fewer drafts than they brought."""
+        threshold, withheld = self.config.long_prefill_token_threshold, set()
         for i, sr in enumerate(scheduled):
-            if budget.tokens <= 0:
-                return
             request = self.requests[sr.request_id]
             wanted = len(request.spec_token_ids)
             if threshold > 0:
                 wanted = min(wanted, threshold - 1)
             if not wanted or sr.num_new_tokens != 1 or sr.start_position != request.num_tokens - 1:
                 continue
-            num_drafts = budget.grant_drafts(sr.start_position, wanted)
+            num_drafts = budget.grant_drafts(sr.start_position, wanted) if allowed else 0
             if num_drafts and self._allocate(request, sr.start_position, 1 + num_drafts) is None:
                 budget.refund_drafts(sr.start_position, num_drafts)
-                continue
+                num_drafts = 0
             if num_drafts:
                 scheduled[i] = self._scheduled(request, 1 + num_drafts)
+            if num_drafts < wanted:
+                withheld.add(request.request_id)
+        return withheld
 
     def _allocate(self, request: Request, start: int, num_new: int, hits=None):
         """Slots for the new tokens, plus lookahead slots for a worker-side drafter when the request samples
@@ -232,7 +236,7 @@ class Scheduler:
             rejected = sr.num_draft_tokens - max(len(sampled) - 1, 0) if sr.num_draft_tokens else 0
             request.num_computed_tokens += sr.num_new_tokens - rejected
             if self.decode_yield is not None and request.num_output_tokens \
-                    and sr.num_new_tokens - sr.num_draft_tokens == 1:
+                    and sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.request_id not in self.drafts_withheld:
                 self.decode_yield.record(self.step_model.chunk_features(sr.start_position, sr.num_new_tokens),
                                          len(sampled))
             if sr.num_draft_tokens:

@@ -12,7 +12,8 @@ life, far more than by any one step. So, per step:
   many more a running request produces. The time limit takes a low quantile of it (a request that stops
   soon has few steps left to average a long step out), the forecasts its mean;
 - running decodes first (one token each, always), then prefill chunks sized into the time left (the first
-  chunk gets min_prefill_chunk tokens regardless, so prefills always progress; a request past
+  chunk gets min_prefill_chunk tokens regardless, or a piece large enough that the per-step prefill costs
+  it adds are a small share of it (prefill_floor), so prefills always progress; a request past
   prefill_urgent_fraction of its TTFT allowance gets its whole chunk: TPOT first, until a TTFT miss is near).
   A TTFT allowance is the time from arrival to the latest start of the step computing the rest of the prompt
   whole (the deadline less that step's predicted time);
@@ -70,6 +71,8 @@ class SLOPolicyConfig:
     rate_min_span_s: float = 10.0     # ... and over at least this span (a burst is not a rate)
     forecast_max_steps: int = 512     # a request's remaining tokens counted at most this far ahead
     horizon_quantile: float = 0.1     # the time limit's horizon: this quantile of a request's remaining tokens
+    max_piece_overhead: float = 0.25  # a prefill piece is cut no smaller than its tokens' time is this
+                                      # fraction of the per-step prefill costs it adds
     length_window: int = 512          # finished requests the output-length estimate learns from
 
 
@@ -148,11 +151,12 @@ class SLOPolicy(FCFSPolicy):
         allowance holds beyond the steady steps those tokens take (h / y.output_tokens of them, each
         steady_step_s of the running batch). It allows a steady step plus slack_spend of its slack
         (spending it all at once is right only if the steps after are as predicted: step times vary, and
-        arrivals come), never less than a decode-only step without drafts (decodes always run; prefill then
-        gets its minimum chunk, drafts what time is left). The tightest request sets the limit, among those
-        that decode-only steps (with drafts where they pay) could still keep on target: a steady step
-        carries the batch's share of prefill, which this limit itself defers, so a request past the steady
-        bar may still be kept; one past even the decode-only bar completes, counted, without slowing all."""
+        arrivals come), never less than a decode-only step, with drafts where they pay (_decode_only_s:
+        decodes always run; prefill then gets its minimum chunk, drafts the rest: draft_reserve_s). The
+        tightest request sets the limit, among those that decode-only steps (with drafts where they pay)
+        could still keep on target: a steady step carries the batch's share of prefill, which this limit
+        itself defers, so a request past the steady bar may still be kept; one past even the decode-only
+        bar completes, counted, without slowing all."""
         c, limit = self.config, math.inf
         steady = decode = per_token = None
         for r in running:
@@ -182,14 +186,19 @@ class SLOPolicy(FCFSPolicy):
 
     @staticmethod
     def _decode_only_s(running: list[Request], model, y: DecodeYield) -> tuple[float, float]:
-        """A decode-only step of `running` without drafts (the least a step computes: drafts are granted
-        last, from the time a step has left), and the least time per output token of decode-only steps:
-        that step's, or one with drafts as y says over what it yields, where speculation pays."""
+        """The least step a time limit allows, and the least time per output token of decode-only steps of
+        `running`. Decodes always run, so the floor is at least a decode-only step without drafts; where
+        drafts as y says take less time per output token, it is the step with them (if longer): a request
+        behind its TPOT target gains from drafts that pay, and a floor that cut them would lengthen every
+        running request's TPOT."""
         plain = model.predict(SLOPolicy._decode_only_step(running))
         if y == PLAIN:
             return plain, plain
         positions = sum(q.num_tokens - 1 for q in running)
-        return plain, min(plain, model.predict(y.features(len(running), positions)) / y.output_tokens)
+        drafted = model.predict(y.features(len(running), positions))
+        if drafted / y.output_tokens < plain:
+            return max(drafted, plain), drafted / y.output_tokens
+        return plain, plain
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
         """The step's time limit is computed only if a grant asks for it (a prefill chunk or drafts): it costs
@@ -201,7 +210,18 @@ class SLOPolicy(FCFSPolicy):
             return StepBudget(tokens)
         running, y = list(scheduler.running), decode_yield(scheduler)      # as they are when the step begins
         allowance = lambda: self.step_limit_s(running, now, model, y) - model.coefficients["intercept"]
-        return StepBudget(tokens, allowance, model, self.config.min_prefill_chunk)
+        reserve = lambda: self.draft_reserve_s(running, model, y)
+        return StepBudget(tokens, allowance, model, self.config.min_prefill_chunk, reserve)
+
+    def draft_reserve_s(self, running: list[Request], model, y: DecodeYield) -> float:
+        """What drafts add to the least step step_limit_s allows (_decode_only_s: a decode-only step of
+        `running`, with drafts where they pay), 0 without speculation: prefill chunks are sized into the time
+        the step's limit leaves beyond it, so a step held to that floor spends on prefill only the minimum
+        chunk and on drafts the rest."""
+        if y == PLAIN or not running:
+            return 0.0
+        floor = self._decode_only_s(running, model, self.plan_yield(running, model, y)[0])[0]
+        return max(floor - model.predict(self._decode_only_step(running)), 0.0)
 
     def running_order(self, running: list[Request]) -> list[Request]:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
@@ -307,7 +327,10 @@ class SLOPolicy(FCFSPolicy):
         for the time limit: its pieces could not be spread far (past prefill_urgent_fraction of the
         allowance the rest goes whole anyway), each piece pays the per-step prefill costs, and spreading a
         prefill lowers no request's mean TPOT unless that request leaves within the spread, so cutting would
-        spend TTFT and compute for little TPOT."""
+        spend TTFT and compute for little TPOT. Any other prompt with a TTFT target is cut into pieces no
+        smaller than _overhead_chunk: a piece whose tokens cost little beside the per-step prefill costs it
+        adds spends more compute on cutting than on the prompt (on this project's CPUs, int4: about 7 ms a
+        piece against 0.12 ms a token), and the batch's TPOT pays for the throughput lost."""
         model = scheduler.step_model
         target = request.sampling_params.ttft_target_ms
         if target is None or request.first_token_time is not None or not model.is_fitted:
@@ -315,7 +338,19 @@ class SLOPolicy(FCFSPolicy):
         decode_s, whole_s = self._whole_prefill_step_s(request, scheduler)
         tight = self._ttft_allowance_s(request, scheduler, whole_s) < \
             self.config.whole_prefill_ttft_ratio * (whole_s - decode_s)
-        return request.num_tokens - request.num_computed_tokens if tight else 0
+        remaining = request.num_tokens - request.num_computed_tokens
+        if tight:
+            return remaining
+        return min(remaining, self._overhead_chunk(model))
+
+    def _overhead_chunk(self, model) -> int:
+        """The smallest prefill piece whose tokens cost at least 1 / max_piece_overhead times the fixed cost
+        a step pays for carrying prefill beside decodes (per_prefill_step + per_mixed_step)."""
+        c = model.coefficients
+        fixed, per_token = c["per_prefill_step"] + c["per_mixed_step"], c["per_prefill_token"]
+        if per_token <= 0:
+            return 1 << 30
+        return math.ceil(fixed / (self.config.max_piece_overhead * per_token))
 
     def _waited_past(self, r: Request, scheduler: "Scheduler", now: float, fraction: float) -> bool:
         """r has waited more than `fraction` of its TTFT allowance (_ttft_allowance_s)."""

@@ -224,8 +224,11 @@ class EngineCore:
 
     def _observe_speculation(self, sched_out: SchedulerOutput, produced) -> SpecStepSample | None:
         """Feed the adaptive draft length per request the accepted drafts; return the step's sample when
-        every request in it decoded (a step with prefill chunks says nothing about k)."""
+        every request in it decoded with all the drafts it brought (a step with prefill chunks, or one whose
+        budget withheld drafts, says nothing about k)."""
         self._observe_requests(sched_out)
+        if sched_out.num_requests_drafts_withheld:
+            return None
         decoding = 0
         for sr in sched_out.scheduled:
             if sr.num_new_tokens - sr.num_draft_tokens != 1 or sr.start_position + 1 < len(sr.prompt_token_ids):
