@@ -55,7 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-samples", type=int, default=256)
-    p.add_argument("--offline-queries", type=int, default=128)
+    p.add_argument("--offline-queries", type=int, default=128,
+                   help="the Offline query holds at least this many samples, and at least --num-samples (a "
+                        "dataset with fewer rows, such as --dataset-path with two articles, is cycled)")
     p.add_argument("--offline-runs", type=int, default=2,
                    help="Offline runs on each server, the best counted: a fresh server's first run also pays the "
                         "first touch of its KV pool's pages (measured: int4, 256 x 128 -> 128 over HTTP, 715-797 "
@@ -203,8 +205,10 @@ def measure(args, system: System, port: int, round_no: int, hold_from: float | N
     proc = subprocess.Popen(system.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(url, proc)
+        queries = str(max(args.offline_queries, args.num_samples))   # a dataset of few rows is cycled
         offline = [bench(args, url, "offline", f"{stem}_offline{i + 1}",
-                         ["--min-query-count", str(args.offline_queries)]) for i in range(args.offline_runs)]
+                         ["--min-query-count", str(args.offline_queries), "--num-queries", queries])
+                   for i in range(args.offline_runs)]
         peak = {"summary": {}, "runs": []} if hold_from else bench(
             args, url, "find-peak", stem + "_peak",
             ["--min-duration-s", str(args.min_duration_s), "--min-query-count", str(args.min_query_count),
