@@ -88,13 +88,13 @@ def test_a_prefill_chunk_is_sized_into_the_time_the_tpot_targets_leave():
 
 
 def test_the_step_limit_is_computed_only_for_a_step_that_has_a_prefill_to_size(monkeypatch):
-    """step_limit_s is O(running) Python: a step of decodes alone, which it never limits, does not pay it;
+    """The step limit (step_plan) is O(running) Python: a step of decodes alone, which it never limits, does not pay it;
     a step with a prompt to size computes it once, from the batch as the step began."""
     s = _scheduler()
     _decoding(s, 4, 0.0)
     seen = []
-    real = SLOPolicy.step_limit_s
-    monkeypatch.setattr(SLOPolicy, "step_limit_s", lambda self, running, *a: seen.append(len(running)) or real(
+    real = SLOPolicy.step_plan
+    monkeypatch.setattr(SLOPolicy, "step_plan", lambda self, running, *a: seen.append(len(running)) or real(
         self, running, *a))
     assert all(sr.num_new_tokens == 1 for sr in s.schedule().scheduled) and seen == []
     s.add_request(Request("p", [9] * 100, _params(8, ttft=60_000.0), arrival_time=0.0))
@@ -461,3 +461,9 @@ def test_interactive_with_speculation_past_capacity_slo_meets_more_targets_than_
     assert sorted(slo.num_output.values()) == [126] * 300
     assert met(slo) >= met(pieces) + 5 and met(slo) >= met(fcfs) + 20
     assert slo.p99(slo.tpot_s.values()) <= 0.030 < fcfs.p99(fcfs.tpot_s.values())
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_a_piece_overhead_share_that_is_not_positive_is_rejected_by_name(value):
+    with pytest.raises(ValueError, match="max_piece_overhead must be > 0"):
+        SLOPolicyConfig(max_piece_overhead=value)

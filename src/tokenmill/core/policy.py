@@ -67,9 +67,11 @@ class StepBudget:
     def prefill_seconds(self) -> float:
         """Predicted seconds left in the step for prefill chunks: `seconds` less the drafts' reserve."""
         seconds = self.seconds
+        if not math.isfinite(seconds):
+            return seconds
         if callable(self.draft_reserve_s):
             self.draft_reserve_s = self.draft_reserve_s()
-        return seconds - self.draft_reserve_s if math.isfinite(seconds) else seconds
+        return seconds - self.draft_reserve_s
 
     def grant(self, start_position: int, wanted: int, timeless: bool = False, floor: int = 0) -> int:
         """How many of `wanted` new tokens from start_position this step computes; charges them.

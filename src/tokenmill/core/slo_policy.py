@@ -38,6 +38,7 @@ speculation (PLAIN) every formula reduces to one row and one token a step.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -74,6 +75,11 @@ class SLOPolicyConfig:
     max_piece_overhead: float = 0.25  # a prefill piece is cut no smaller than its tokens' time is this
                                       # fraction of the per-step prefill costs it adds
     length_window: int = 512          # finished requests the output-length estimate learns from
+
+    def __post_init__(self) -> None:
+        if not self.max_piece_overhead > 0:
+            raise ValueError(f"SLOPolicyConfig.max_piece_overhead must be > 0 (math.inf: no floor beyond "
+                             f"min_prefill_chunk), got {self.max_piece_overhead!r}")
 
 
 def _tpot_s(r: Request) -> float | None:
@@ -152,12 +158,20 @@ class SLOPolicy(FCFSPolicy):
         steady_step_s of the running batch). It allows a steady step plus slack_spend of its slack
         (spending it all at once is right only if the steps after are as predicted: step times vary, and
         arrivals come), never less than a decode-only step, with drafts where they pay (_decode_only_s:
-        decodes always run; prefill then gets its minimum chunk, drafts the rest: draft_reserve_s). The
+        decodes always run; prefill then gets its minimum chunk, drafts the rest: step_plan). The
         tightest request sets the limit, among those that decode-only steps (with drafts where they pay)
         could still keep on target: a steady step carries the batch's share of prefill, which this limit
         itself defers, so a request past the steady bar may still be kept; one past even the decode-only
         bar completes, counted, without slowing all."""
-        c, limit = self.config, math.inf
+        return self.step_plan(running, now, model, y)[0]
+
+    def step_plan(self, running: list[Request], now: float, model,
+                  y: DecodeYield = PLAIN) -> tuple[float, float]:
+        """step_limit_s, and the seconds of it kept for drafts (StepBudget.draft_reserve_s): what drafts add
+        to the limit's floor (_decode_only_s), 0 where they do not pay or there is no limit. Prefill chunks
+        are sized into the time beyond it, so a step held to its floor spends on prefill only the minimum
+        chunk and on drafts the rest."""
+        c, limit, reserve = self.config, math.inf, 0.0
         steady = decode = per_token = None
         for r in running:
             target = _tpot_s(r)
@@ -167,11 +181,12 @@ class SLOPolicy(FCFSPolicy):
                 y, steady = self.plan_yield(running, model, y)
                 cap = round(c.horizon_steps * y.output_tokens)
                 decode, per_token = self._decode_only_s(running, model, y)
+                reserve = decode - model.predict(self._decode_only_step(running))
             h = self.remaining_low(r, cap)
             allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
             if allowance >= per_token * h:    # decode-only steps would keep it on target
                 limit = min(limit, max(steady + c.slack_spend * (allowance - steady * h / y.output_tokens), decode))
-        return limit
+        return limit, reserve
 
     def plan_yield(self, batch: list[Request], model, y: DecodeYield) -> tuple[DecodeYield, float]:
         """The yield to plan `batch`'s steps with, and its steady step (seconds): y where its drafts pay
@@ -209,19 +224,9 @@ class SLOPolicy(FCFSPolicy):
         if not model.is_fitted or all(_tpot_s(r) is None for r in scheduler.running):
             return StepBudget(tokens)
         running, y = list(scheduler.running), decode_yield(scheduler)      # as they are when the step begins
-        allowance = lambda: self.step_limit_s(running, now, model, y) - model.coefficients["intercept"]
-        reserve = lambda: self.draft_reserve_s(running, model, y)
-        return StepBudget(tokens, allowance, model, self.config.min_prefill_chunk, reserve)
-
-    def draft_reserve_s(self, running: list[Request], model, y: DecodeYield) -> float:
-        """What drafts add to the least step step_limit_s allows (_decode_only_s: a decode-only step of
-        `running`, with drafts where they pay), 0 without speculation: prefill chunks are sized into the time
-        the step's limit leaves beyond it, so a step held to that floor spends on prefill only the minimum
-        chunk and on drafts the rest."""
-        if y == PLAIN or not running:
-            return 0.0
-        floor = self._decode_only_s(running, model, self.plan_yield(running, model, y)[0])[0]
-        return max(floor - model.predict(self._decode_only_step(running)), 0.0)
+        plan = functools.cache(lambda: self.step_plan(running, now, model, y))     # once, when first asked
+        allowance = lambda: plan()[0] - model.coefficients["intercept"]
+        return StepBudget(tokens, allowance, model, self.config.min_prefill_chunk, lambda: plan()[1])
 
     def running_order(self, running: list[Request]) -> list[Request]:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
