@@ -64,13 +64,17 @@ def test_a_killed_worker_fails_the_engine_clearly_and_quickly(tiny_model_dir):
     failure: list[BaseException] = []
 
     def generate():
-        try:
-            llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        try:       # 3 + 500 tokens of the tiny model's 512 positions: hundreds of steps, well past the kill below
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             failure.append(e)
     thread = threading.Thread(target=generate)
     thread.start()
-    time.sleep(1.0)
+    scheduler = llm.engine.core.scheduler
+    deadline = time.monotonic() + 30
+    while not any(r.num_output_tokens for r in list(scheduler.running)):   # kill mid-generation, not by the clock
+        assert thread.is_alive() and time.monotonic() < deadline, "generation never started"
+        time.sleep(0.001)
     victim = llm.engine.core.executor.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
