@@ -180,8 +180,7 @@ class SLOPolicy(FCFSPolicy):
             if steady is None:
                 y, steady = self.plan_yield(running, model, y)
                 cap = round(c.horizon_steps * y.output_tokens)
-                decode, per_token = self._decode_only_s(running, model, y)
-                reserve = decode - model.predict(self._decode_only_step(running))
+                decode, per_token, reserve = self._decode_only_s(running, model, y)
             h = self.remaining_low(r, cap)
             allowance = c.tpot_margin * target * (r.num_output_tokens - 1 + h) - (now - r.first_token_time)
             if allowance >= per_token * h:    # decode-only steps would keep it on target
@@ -200,20 +199,20 @@ class SLOPolicy(FCFSPolicy):
         return (y, steady) if steady / y.output_tokens < plain else (PLAIN, plain)
 
     @staticmethod
-    def _decode_only_s(running: list[Request], model, y: DecodeYield) -> tuple[float, float]:
-        """The least step a time limit allows, and the least time per output token of decode-only steps of
-        `running`. Decodes always run, so the floor is at least a decode-only step without drafts; where
+    def _decode_only_s(running: list[Request], model, y: DecodeYield) -> tuple[float, float, float]:
+        """The least step a time limit allows, the least time per output token of decode-only steps of
+        `running`, and what drafts add to that least step (0 where they do not pay). Decodes always run, so the floor is at least a decode-only step without drafts; where
         drafts as y says take less time per output token, it is the step with them (if longer): a request
         behind its TPOT target gains from drafts that pay, and a floor that cut them would lengthen every
         running request's TPOT."""
         plain = model.predict(SLOPolicy._decode_only_step(running))
         if y == PLAIN:
-            return plain, plain
+            return plain, plain, 0.0
         positions = sum(q.num_tokens - 1 for q in running)
         drafted = model.predict(y.features(len(running), positions))
         if drafted / y.output_tokens < plain:
-            return max(drafted, plain), drafted / y.output_tokens
-        return plain, plain
+            return max(drafted, plain), drafted / y.output_tokens, max(drafted - plain, 0.0)
+        return plain, plain, 0.0
 
     def begin_step(self, scheduler: "Scheduler", now: float) -> StepBudget:
         """The step's time limit is computed only if a grant asks for it (a prefill chunk or drafts): it costs
