@@ -1,6 +1,6 @@
 """Draft verification (sample/rejection.py): greedy keeps the target's argmax run; rejection sampling
 leaves the target distribution as it is (chi-square on a tiny vocabulary, first and second positions),
-and a seeded request repeats."""
+a seeded request repeats, and gives the tokens plain sampling gives whatever drafts each step carried."""
 from __future__ import annotations
 
 import torch
@@ -64,6 +64,36 @@ def test_a_seeded_request_repeats():
         meta = _meta(params, Sampler.make_generator(7))           # one generator across the request's steps
         runs.append([verify(Sampler(seed=None), logits, [1, 2], meta) for _ in range(8)])
     assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 1
+
+
+def _plain_seeded_tokens(logits, params, seed):
+    """Sampling token by token without drafts (row j: the target's logits for output j)."""
+    sampler, generator = Sampler(seed=None), Sampler.make_generator(seed)
+    return [sampler(logits[j:j + 1], [_meta(params, generator)]).token_ids[0]
+            for j in range(logits.shape[0])]
+
+
+def test_a_seeded_request_gives_the_plain_samplers_tokens_whatever_its_drafts():
+    """One uniform number per emitted token, the one the plain sampler would use: the seeded tokens do not
+    depend on how many drafts each step verified, nor on whether they were right."""
+    logits = torch.randn(40, VOCAB, generator=torch.Generator().manual_seed(4)) * 1.5
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    plain = _plain_seeded_tokens(logits, params, 11)
+    for k, right in [(1, True), (3, True), (4, False), (2, None)]:
+        sampler, generator, out = Sampler(seed=None), Sampler.make_generator(11), []
+        while len(out) < len(plain) - k:
+            n = len(out)
+            drafts = [plain[n + i] if right or (right is None and i % 2) else (plain[n + i] + 1) % VOCAB
+                      for i in range(k)]
+            out += verify(sampler, logits[n:n + k + 1], drafts, _meta(params, generator))
+        assert out == plain[:len(out)], (k, right)
+
+
+def test_min_tokens_ignores_stop_ids_outside_the_vocabulary():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 2] = 5.0
+    meta = SamplingMeta(SamplingParams(temperature=0.0, min_tokens=4), None, [1], [], [2, VOCAB + 40])
+    assert verify(Sampler(seed=0), logits, [0, 0], meta) == [0, 0, 0]       # EOS 2 banned, id 48 ignored
 
 
 def test_min_tokens_bans_eos_only_at_the_positions_short_of_it():

@@ -1,7 +1,7 @@
 """Speculative decoding in the engine (n-gram drafts): greedy outputs identical to no speculation on tiny
 models (prompts that repeat, so drafts are accepted) across block boundaries, under preemption, with prefix
 hits, through the mp executor's deltas, with stop strings and max_tokens landing inside an accepted run;
-seeded sampling repeats; every block is free afterwards; the counters and mean acceptance length."""
+seeded sampling repeats and gives the tokens it gives without speculation; every block is free afterwards; the counters and mean acceptance length."""
 from __future__ import annotations
 
 import pytest
@@ -80,6 +80,19 @@ def test_seeded_sampling_with_speculation_repeats(tiny_model_factory):
     llm = _llm(tiny_model_factory("llama"), SPEC)
     params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=5)
     assert _tokens(llm, params=params) == _tokens(llm, params=params)
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_speculation(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    # top-2 keeps the random tiny model's samples on its greedy cycles often enough for n-gram drafts to
+    # be right sometimes and wrong sometimes
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=24, ignore_eos=True, seed=5)
+    plain = _tokens(_llm(model, None), params=params)
+    for k in (4, 2):
+        llm = _llm(model, {"method": "ngram", "num_speculative_tokens": k, "adaptive": False})
+        assert _tokens(llm, params=params) == plain, k
+        spec = llm.engine.stats().spec_decode
+        assert spec.num_draft_tokens > spec.num_accepted_tokens > 0
 
 
 def test_counters_and_mean_acceptance_length(tiny_model_factory):

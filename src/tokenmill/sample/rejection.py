@@ -4,12 +4,17 @@ For one request with drafts d_1..d_k and the target's logits at the k + 1 positi
 (position i predicts the token after d_1..d_i):
 - greedy: accept while d_i is the target's argmax; then the target's own token at the first mismatch
   (or after the last draft): exactly the tokens decoding without drafts gives;
-- sampling: rejection sampling (Leviathan et al. 2023) with the proposer's q: accept d_i with
-  probability min(1, p(d_i) / q(d_i)), else sample from norm(max(p - q, 0)) and stop; all accepted:
-  sample the bonus token from p at position k + 1. The accepted run plus that token is distributed exactly
-  as sampling from p token by token. n-gram drafts are certain (q one-hot): accept with p(d_i), resample
-  from p with d_i removed. p is the distribution the sampler would draw from (temperature, top-k, top-p,
-  min-p); draws come from the request's generator when it has a seed, so seeded runs repeat.
+- sampling: rejection sampling (Leviathan et al. 2023). Every proposer's draft is certain (q one-hot: an
+  n-gram match, a draft model's or MTP head's greedy token), where the rule "accept d_i with probability
+  min(1, p(d_i) / q(d_i)), else sample from norm(max(p - q, 0)) and stop" reads: accept with p(d_i), else
+  sample from p with d_i removed. It is realized by one draw a position: x_i ~ p_i (the sampler's own
+  inverse-CDF draw from one uniform number); accept while x_i == d_i (probability p(d_i)); at the first
+  x_i != d_i emit x_i and stop (x_i is then distributed as p_i without d_i); all accepted: the bonus token
+  x_{k+1} ~ p_{k+1}. The accepted run plus that token is distributed exactly as sampling from p token by
+  token, and it uses exactly one uniform number per emitted token, the same number the plain sampler would
+  use for that token: a seeded request (its own generator) gives the same tokens with or without drafts,
+  whatever number of drafts each step carried. p is the distribution the sampler would draw from
+  (temperature, top-k, top-p, min-p).
 
 min_tokens masking applies per position (EOS and stop tokens banned at the positions still short of it).
 Relaxed acceptance (opt-in, lossy, greedy only): a draft among the target's top-N within delta of the best
@@ -35,15 +40,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
         also = None if relaxed is None else (lambda i: _close_enough(logits[i], drafts[i], *relaxed))
         return accept_greedy(drafts, _argmax(logits).tolist(), also)
     probs = Sampler.target_probs(logits.float().clone(), [meta] * logits.shape[0])      # [k + 1, vocab]
-    for i, draft in enumerate(drafts):
-        row = probs[i]
-        if sampler.uniform(meta) < float(row[draft] / row.sum()):
-            continue                                                    # accepted
-        row[draft] = 0.0                                                # norm(max(p - one_hot, 0))
-        if not bool((row > 0).any()):       # all the mass was on the draft (rounding): the only choice
-            continue
-        return drafts[:i] + [_draw(sampler, row, meta)]
-    return drafts + [_draw(sampler, probs[-1], meta)]
+    emitted = []
+    for i, row in enumerate(probs):
+        token = _draw(sampler, row, meta)                    # x_i ~ p_i, one uniform number
+        emitted.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            return emitted                                   # a rejection's replacement, or the bonus token
+    raise AssertionError("unreachable: the last row always returns")
 
 
 def accept_greedy(drafts: list[int], target: list[int], also=None) -> list[int]:
@@ -71,7 +74,8 @@ def _close_enough(row: torch.Tensor, draft: int, top_n: int, delta: float) -> bo
 def _min_tokens_masked(logits: torch.Tensor, meta: SamplingMeta) -> torch.Tensor:
     """Row i is the request's output token number len(outputs) + i: while that is short of min_tokens, EOS
     and the stop tokens are banned there, as the sampler bans them one token at a time."""
-    banned = [*meta.eos_token_ids, *meta.params.stop_token_ids]
+    vocab = logits.shape[1]
+    banned = [t for t in (*meta.eos_token_ids, *meta.params.stop_token_ids) if 0 <= t < vocab]   # as the sampler
     rows = rows_short_of_min_tokens(meta, logits.shape[0])
     if not banned or rows == 0:
         return logits
