@@ -66,3 +66,11 @@ def test_bad_draft_configs_are_clear_errors(tiny_model_factory):
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the target 49152"):
         LLM(model, kv_cache_memory_bytes=1 << 22,
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": other})
+    short = tiny_model_factory("llama", max_position_embeddings=20)          # the target has 512
+    with pytest.raises(ValueError, match="has 20 positions .* fewer than max_model_len 512: pass max_model_len <= 20"):
+        LLM(model, kv_cache_memory_bytes=1 << 22,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": short})
+    llm = LLM(model, kv_cache_memory_bytes=1 << 22, max_model_len=20, block_size=4,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": short})
+    out = llm.generate([[5, 6, 7, 8] * 4], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    assert (out.outputs[0].finish_reason, len(out.outputs[0].token_ids)) == ("length", 4)   # to the end, no error

@@ -40,6 +40,10 @@ class DraftModelDrafter(Drafter):
             if self.model.config.vocab_size != config.model.vocab_size:
                 raise ValueError(f"draft model {spec.model!r} has a vocabulary of {self.model.config.vocab_size} "
                                  f"tokens, the target {config.model.vocab_size}: they must share the tokenizer")
+            draft_len, max_len = self.model.config.max_position_embeddings, config.scheduler.max_model_len
+            if draft_len < max_len:       # its rotary table ends there: a longer sequence could not be drafted
+                raise ValueError(f"draft model {spec.model!r} has {draft_len} positions (max_position_embeddings), "
+                                 f"fewer than max_model_len {max_len}: pass max_model_len <= {draft_len}")
 
     def attention_layers(self) -> list:
         return [] if self.num_layers is not None else self.model.attention_layers()
