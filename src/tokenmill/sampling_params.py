@@ -19,6 +19,13 @@ REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 # Largest top_k and token id that fit the int64 tensors the sampler builds (both are further held to the
 # vocabulary when the engine admits the request, see check_for_model).
 MAX_INT64 = 2**63 - 1
+# Stop conditions every request may carry (OpenAI allows 4 stop strings). The detokenizer builds an automaton
+# with a node per stop character on the engine thread, and every generated token is looked up in
+# stop_token_ids: these bounds keep both small whatever a request sends.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_CHARS_TOTAL = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,10 @@ class SamplingParams:
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a number in [-2, 2]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             _fail("seed", self.seed, "an integer or None")
-        for s in self.stop:
-            if not isinstance(s, str) or s == "":
-                _fail("stop", self.stop, "non-empty strings")
+        _check_stop_strings(self.stop)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", self.stop_token_ids,
+                  f"at most {MAX_STOP_TOKEN_IDS} token ids (got {len(self.stop_token_ids)})")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT64:
                 _fail("stop_token_ids", self.stop_token_ids, "token ids (non-negative integers)")
@@ -131,6 +139,21 @@ def _as_tuple(name: str, value, expected: str) -> tuple:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         _fail(name, value, expected)
     return tuple(value)
+
+
+def _check_stop_strings(stop: tuple) -> None:
+    """At most MAX_STOP_STRINGS non-empty strings, each of at most MAX_STOP_STRING_CHARS characters and
+    MAX_STOP_CHARS_TOTAL in all; the count is checked first, so a huge list costs nothing more."""
+    if len(stop) > MAX_STOP_STRINGS:
+        _fail("stop", stop, f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
+    for s in stop:
+        if not isinstance(s, str) or s == "":
+            _fail("stop", stop, "non-empty strings")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            _fail("stop", stop, f"stop strings of at most {MAX_STOP_STRING_CHARS} characters each (one has {len(s)})")
+    total = sum(map(len, stop))
+    if total > MAX_STOP_CHARS_TOTAL:
+        _fail("stop", stop, f"stop strings of at most {MAX_STOP_CHARS_TOTAL} characters in all (got {total})")
 
 
 def _fail(name: str, value, expected: str):

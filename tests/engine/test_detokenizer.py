@@ -435,3 +435,42 @@ def test_stop_string_on_special_token_text_when_not_skipped(smol):
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(PieceTokenizer(["a"]), [], stop=["ok", ""])
+
+
+def test_stop_automata_cache_stays_within_its_node_budget():
+    """Requests with ever new stop strings cannot grow the cache past its budget (its nodes, one per
+    distinct stop-string prefix, are what cost memory); a repeated stop list reuses its automaton, so
+    the n completions of a request share one."""
+    from tokenmill.engine.detokenizer import (MAX_CACHED_AUTOMATON_NODES, _AUTOMATA, _AutomatonCache,
+                                              _build_automaton)
+    from tokenmill.sampling_params import MAX_STOP_CHARS_TOTAL
+    cache = _AutomatonCache(max_nodes=100)
+    first = cache.get(("a" * 30,))
+    assert cache.get(("a" * 30,)) is first
+    for i in range(50):
+        cache.get((f"{i:03d}" + "x" * 27,))          # 31 nodes each: at most 3 fit
+        assert cache.num_nodes <= 100 and len(cache) <= 3
+    assert cache.get(("a" * 30,)) is not first      # evicted, least recently used first
+    huge = cache.get(("y" * 200,))                   # larger than the whole budget: built, not kept
+    assert huge.longest_match[-1] == "y" * 200 and cache.num_nodes <= 100
+    largest_allowed = _build_automaton(("z" * MAX_STOP_CHARS_TOTAL,))
+    assert 15 * len(largest_allowed.goto) <= MAX_CACHED_AUTOMATON_NODES
+    tok = PieceTokenizer(["a", "b"])
+    stops = ["ab", "b" * 20]
+    automata = {id(IncrementalDetokenizer(tok, [], stop=stops)._stops._automaton) for _ in range(4)}
+    assert automata == {id(_AUTOMATA.get(tuple(stops)))}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(stop=["a"] * 65), "stop=.*at most 64 stop strings"),
+    (dict(stop="x" * 1025), "stop=.*at most 1024 characters each"),
+    (dict(stop=["x" * 1024] * 5), "stop=.*at most 4096 characters in all"),
+    (dict(stop_token_ids=[0] * 1025), "stop_token_ids=.*at most 1024 token ids"),
+], ids=["count", "length", "total", "token-ids"])
+def test_sampling_params_bound_the_stop_conditions(kwargs, message):
+    """SamplingParams (the LLM API's and the server's) hold what the detokenizer and the engine get per
+    request within its MAX_STOP_* limits, naming the field and the limit."""
+    from tokenmill.sampling_params import SamplingParams
+    SamplingParams(stop=["x" * 1024] * 4, stop_token_ids=list(range(1024)))     # the most allowed
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

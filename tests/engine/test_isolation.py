@@ -156,7 +156,7 @@ def test_output_processing_failure_fails_that_request_alone(llm, alone, monkeypa
     (dict(temperature=1e300), "temperature"),
     (dict(repetition_penalty=1e300), "repetition_penalty"),
     (dict(stop_token_ids=[10**9]), "stop_token_ids"),
-    (dict(stop_token_ids=list(range(49152)), min_tokens=2), "min_tokens"),
+    (dict(stop_token_ids=list(range(49152)), min_tokens=2), "stop_token_ids"),   # past the cap of 1,024 ids
 ])
 def test_parameters_the_engine_cannot_compute_are_refused_and_nothing_is_queued(llm, kwargs, field_name):
     with pytest.raises(ValueError, match=field_name):

@@ -92,3 +92,10 @@ def test_frozen_hashable_and_replace_validates():
     assert p.replace(temperature=0.5).temperature == 0.5
     with pytest.raises(ValueError, match="top_p"):
         p.replace(top_p=2.0)
+
+
+def test_min_tokens_that_no_token_could_satisfy_is_refused_for_the_model():
+    params = SamplingParams(min_tokens=2, stop_token_ids=[0, 1, 2, 3, 4, 5, 6])
+    params.check_for_model(vocab_size=8, eos_token_ids=[9])               # id 7 remains (EOS 9 is outside)
+    with pytest.raises(ValueError, match=r"min_tokens \(2\) cannot be satisfied: .* all 8 tokens"):
+        params.check_for_model(vocab_size=8, eos_token_ids=[7])

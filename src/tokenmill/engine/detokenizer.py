@@ -17,8 +17,8 @@ characters), amortized, never O(output length) or O(stop-string length^2):
 from __future__ import annotations
 
 import collections
-import functools
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -272,7 +272,7 @@ class _StopMatcher:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"invalid stop strings {stop!r}: expected non-empty strings")
-        self._automaton = _build_automaton(tuple(dict.fromkeys(stop)))
+        self._automaton = _AUTOMATA.get(tuple(dict.fromkeys(stop)))
         self._include = include_stop_str_in_output
         self._state = 0
         self._held = ""
@@ -316,7 +316,48 @@ class _StopAutomaton:
     first_char_re: re.Pattern             # matches any first character of a stop string
 
 
-@functools.lru_cache(maxsize=256)
+class _AutomatonCache:
+    """The least recently used automata, holding at most `max_nodes` nodes in all (a larger one is built
+    but not kept), so memory stays bounded however many distinct stop strings requests bring. Thread-safe."""
+
+    def __init__(self, max_nodes: int) -> None:
+        self.max_nodes = max_nodes
+        self.num_nodes = 0                  # nodes of the automata in `_entries`, always <= max_nodes
+        self._entries: collections.OrderedDict[tuple[str, ...], _StopAutomaton] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, stops: tuple[str, ...]) -> _StopAutomaton:
+        with self._lock:
+            automaton = self._entries.get(stops)
+            if automaton is not None:
+                self._entries.move_to_end(stops)
+                return automaton
+        automaton = _build_automaton(stops)     # outside the lock: other threads' lookups go on
+        self._keep(stops, automaton)
+        return automaton
+
+    def _keep(self, stops: tuple[str, ...], automaton: _StopAutomaton) -> None:
+        size = len(automaton.goto)
+        with self._lock:
+            if size > self.max_nodes or stops in self._entries:
+                return
+            self._entries[stops] = automaton
+            self.num_nodes += size
+            while self.num_nodes > self.max_nodes:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_nodes -= len(evicted.goto)
+
+
+# A node takes 250 to 350 bytes (its dict and key): this many keep the cache under about 22 MiB. It holds
+# at least 15 automata of the most stop characters SamplingParams allows (MAX_STOP_CHARS_TOTAL), and
+# thousands of typical ones; the n completions of a request share one.
+MAX_CACHED_AUTOMATON_NODES = 65_536
+_AUTOMATA = _AutomatonCache(MAX_CACHED_AUTOMATON_NODES)
+
+
 def _build_automaton(stops: tuple[str, ...]) -> _StopAutomaton:
     goto: list[dict[str, int]] = [{}]
     depth, terminal = [0], [None]
