@@ -4,6 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tokenmill.sampling_params import (MAX_STOP_CHARS_TOTAL, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                      MAX_STOP_TOKEN_IDS)
+
 from .conftest import API_KEY, MAX_BODY_BYTES, MAX_LOGPROBS, MAX_N
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -45,6 +48,18 @@ CASES = [
      "top_logprobs", None),
     ("stop-empty-string", "POST", CMPL, _c(stop=""), AUTH, 400, "stop", None),
     ("stop-wrong-type", "POST", CMPL, _c(stop=[1, 2]), AUTH, 400, "stop", None),
+    ("stop-too-many", "POST", CMPL, _c(stop=[str(i) for i in range(MAX_STOP_STRINGS + 1)]), AUTH, 400, "stop",
+     f"at most {MAX_STOP_STRINGS} stop strings"),
+    ("stop-too-long", "POST", CHAT, _chat(stop="x" * (MAX_STOP_STRING_CHARS + 1)), AUTH, 400, "stop",
+     f"at most {MAX_STOP_STRING_CHARS} characters each"),
+    ("stop-too-long-in-all", "POST", CMPL, _c(stop=["x" * MAX_STOP_STRING_CHARS] * 5), AUTH, 400, "stop",
+     f"at most {MAX_STOP_CHARS_TOTAL} characters in all"),
+    ("stop-token-ids-too-many", "POST", CHAT, _chat(stop_token_ids=[0] * (MAX_STOP_TOKEN_IDS + 1)), AUTH, 400,
+     "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids"),
+    ("stream-options-without-stream", "POST", CMPL, _c(stream_options={"include_usage": True}), AUTH, 400,
+     "stream_options", "stream is true"),
+    ("stream-options-with-stream-false", "POST", CHAT, _chat(stream=False, stream_options={}), AUTH, 400,
+     "stream_options", "stream is true"),
     ("context-exceeded", "POST", CMPL, _c(max_tokens=600), AUTH, 400, "max_tokens", "512"),
     ("chat-context-exceeded", "POST", CHAT, _chat(max_tokens=100000), AUTH, 400, "max_tokens", "512"),
     ("prompt-too-long", "POST", CMPL, _c(prompt=[1] * 512, max_tokens=None), AUTH, 400, "prompt", "512"),

@@ -80,7 +80,8 @@ BAD_PARAMS = [   # (fields, the param the 400 names)
     ({"top_k": 10**6}, "top_k"),
     ({"repetition_penalty": 1e300}, "repetition_penalty"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"stop_token_ids": list(range(49152)), "min_tokens": 2}, "min_tokens"),
+    ({"stop_token_ids": list(range(49152)), "min_tokens": 2}, "stop_token_ids"),   # over MAX_STOP_TOKEN_IDS
+    ({"stop": ["x" * 1000] * 64}, "stop"),                                          # over MAX_STOP_CHARS_TOTAL
 ]
 
 

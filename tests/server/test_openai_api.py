@@ -170,3 +170,36 @@ def test_metrics_gauges_while_running(server, client, model_name):
     assert metric(during, "tokenmill:kv_cache_usage_perc") > 0
     after = wait_idle(server.url)
     assert metric(after, "tokenmill:kv_cache_usage_perc") == 0
+
+
+OPENAI_NULLABLE = ["model", "n", "stream", "stream_options", "temperature", "top_p", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "user", "logit_bias", "logprobs"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **dict.fromkeys(
+        OPENAI_NULLABLE + ["echo", "best_of", "suffix"])}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **dict.fromkeys(
+        OPENAI_NULLABLE + ["top_logprobs", "max_completion_tokens", "response_format", "tools"])}),
+], ids=["completions", "chat"])
+def test_explicit_nulls_mean_the_defaults(server, auth, path, body):
+    """OpenAI types these fields "... or null" (and vLLM reads null as the default)."""
+    r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    streamed = httpx.post(server.url + path, json={**body, "stream": True, "stream_options": {"include_usage": None}},
+                          headers=auth, timeout=60)
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+    assert '"usage":{' not in streamed.text       # include_usage null: its default, false
+
+
+def test_max_tokens_null_gives_each_prompt_its_own_room(server, client, model_name):
+    """Several prompts and max_tokens null: each may fill what its prompt leaves of the context window."""
+    context = client.models.list().data[0].max_model_len
+    lengths = (context - 12, context - 112)
+    r = client.completions.create(model=model_name, prompt=[[7] * n for n in lengths], max_tokens=None,
+                                  temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.tokens) for c in r.choices] == [12, 112]
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    assert r.usage.completion_tokens == 124

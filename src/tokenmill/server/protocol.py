@@ -1,15 +1,15 @@
 """OpenAI-compatible request and response bodies (pydantic).
 
 Requests are strict about types (`"max_tokens": "5"` or `true` is a 400, not coerced) and ignore unknown
-fields, as the OpenAI API does. Every string anywhere in a body must be valid Unicode (a JSON escape of a
-lone surrogate such as "\\ud800" is not): else a 400 naming where it is. Value ranges are checked by
-`Serving.sampling_params` (OpenAI's ranges) and `SamplingParams` (what the engine computes); the server
-adds its own limits (n, logprobs, context window).
+fields, as the OpenAI API does; a null where OpenAI allows one means the field's default. Every string
+anywhere in a body must be valid Unicode (a JSON escape of a lone surrogate such as "\\ud800" is not): else
+a 400 naming where it is. Value ranges are checked by `Serving.sampling_params` (OpenAI's ranges) and
+`SamplingParams` (what the engine computes); the server adds its own limits (n, logprobs, context window).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -19,6 +19,17 @@ INVALID_UNICODE = "invalid_unicode"   # the pydantic error type for a string tha
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    # Fields OpenAI types as "... or null" whose default is not None: a null there means the default, as
+    # vLLM reads them (the other fields OpenAI lets be null default to None).
+    null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data):
+        if not cls.null_means_default or not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.null_means_default}
 
 
 class _Body(_Request):
@@ -38,25 +49,47 @@ class _Body(_Request):
 
 def invalid_unicode_path(value) -> tuple[str, ...] | None:
     """The path to a string (or dict key) in a parsed JSON value that cannot be encoded as UTF-8, or None.
-    Iterative: a body nested as deeply as the JSON parser allows must not exhaust the stack here."""
-    stack: list[tuple[tuple[str, ...], object]] = [((), value)]
+    Iterative: a body nested as deeply as the JSON parser allows must not exhaust the stack here. It runs
+    on the event loop, so its work stays small per element: a number, bool or null costs two type tests
+    and leaves nothing allocated, an ASCII string an O(1) test; only dicts and lists are stacked, and a
+    path is spelled out only for the string at fault."""
+    if isinstance(value, str):
+        return None if _encodable(value) else ()
+    stack = [_Container(value, None, "")] if isinstance(value, (dict, list)) else []
     while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            if not _encodable(item):
-                return path
-        elif isinstance(item, dict):
-            for key, sub in item.items():
-                key_path = path + (str(key).encode("utf-8", "backslashreplace").decode("utf-8"),)
-                if not _encodable(str(key)):
-                    return key_path
-                stack.append((key_path, sub))
-        elif isinstance(item, list):
-            stack.extend((path + (str(i),), sub) for i, sub in enumerate(item))
+        container = stack.pop()
+        entries = container.value.items() if isinstance(container.value, dict) else enumerate(container.value)
+        for key, item in entries:
+            if type(key) is str and not _encodable(key):
+                return _path(container, key)
+            kind = type(item)
+            if kind is str:
+                if not _encodable(item):
+                    return _path(container, key)
+            elif kind is dict or kind is list:
+                stack.append(_Container(item, container, key))
     return None
 
 
+class _Container(NamedTuple):
+    """A dict or list met in the walk, with where it sits: `key` (a dict key or list index) in `parent`."""
+    value: dict | list
+    parent: "_Container | None"
+    key: str | int
+
+
+def _path(container: _Container, key: str | int) -> tuple[str, ...]:
+    """The path of `key` inside `container`, from the root; keys written so that they encode as UTF-8."""
+    parts = [key]
+    while container.parent is not None:
+        parts.append(container.key)
+        container = container.parent
+    return tuple(str(part).encode("utf-8", "backslashreplace").decode("utf-8") for part in reversed(parts))
+
+
 def _encodable(text: str) -> bool:
+    if text.isascii():      # O(1): CPython records it
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -82,11 +115,13 @@ class ErrorResponse(_Response):
 
 # --------------------------------------------------------------------------------------------- requests
 class StreamOptions(_Request):
+    null_means_default = frozenset({"include_usage"})
     include_usage: bool = False
 
 
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+    null_means_default = frozenset({"n", "stream", "echo", "logprobs"})   # echo: completions only
     model: str | None = None
     n: int = 1
     temperature: float | None = None

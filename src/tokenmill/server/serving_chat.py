@@ -11,12 +11,14 @@ from tokenmill.server.errors import OpenAIError, bad_request
 from tokenmill.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatStreamChoice,
                                        DeltaMessage, TokenLogprob, TopLogprob)
-from tokenmill.server.serving_engine import EngineCall, Serving, in_thread, logprob_token_text, new_id
+from tokenmill.server.serving_engine import (EngineCall, Serving, check_stream_options, in_thread, logprob_token_text,
+                                            new_id)
 from tokenmill.server.streaming import DONE, respond, sse
 
 
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -> Response:
     serving.check_model(req.model)
+    check_stream_options(req)
     _reject_unsupported(req)
     prompt_ids = await in_thread(render_chat, serving, req.messages, req.add_generation_prompt,
                                  req.chat_template_kwargs, True)
@@ -29,7 +31,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest) -
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.resolve_max_tokens(len(prompt_ids), requested, param)
     params = serving.sampling_params(req, max_tokens, num_logprobs, [prompt_ids])
-    call = serving.start(new_id("chatcmpl"), [prompt_ids], params)
+    call = serving.start(new_id("chatcmpl"), [prompt_ids], [params])
     return await respond(_ChatWriter(serving, req, call), call.close, req.stream)
 
 

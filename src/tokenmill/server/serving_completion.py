@@ -13,7 +13,8 @@ from fastapi.responses import Response
 from tokenmill.outputs import CompletionOutput, TokenLogprobs
 from tokenmill.server.errors import OpenAIError, bad_request
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from tokenmill.server.serving_engine import EngineCall, Serving, in_thread, logprob_token_text, new_id
+from tokenmill.server.serving_engine import (EngineCall, Serving, check_stream_options, in_thread, logprob_token_text,
+                                            new_id, per_prompt_params)
 from tokenmill.server.streaming import DONE, respond, sse
 
 
@@ -25,12 +26,14 @@ class _Prompts:
 
 async def create_completion(serving: Serving, req: CompletionRequest) -> Response:
     serving.check_model(req.model)
+    check_stream_options(req)
     _reject_unsupported(req)
     prompts = await in_thread(_parse_prompts, serving, req.prompt)
     serving.check_logprobs(req.logprobs, "logprobs")
-    max_tokens = min(serving.resolve_max_tokens(len(p), req.max_tokens, "max_tokens") for p in prompts.token_ids)
-    params = serving.sampling_params(req, max_tokens, req.logprobs, prompts.token_ids)
-    call = serving.start(new_id("cmpl"), prompts.token_ids, params)
+    # a budget per prompt: with max_tokens null, its own room in the context window (as in vLLM)
+    budgets = [serving.resolve_max_tokens(len(p), req.max_tokens, "max_tokens") for p in prompts.token_ids]
+    params = serving.sampling_params(req, min(budgets), req.logprobs, prompts.token_ids)
+    call = serving.start(new_id("cmpl"), prompts.token_ids, per_prompt_params(params, budgets))
     return await respond(_CompletionWriter(serving, req, prompts, call), call.close, req.stream)
 
 

@@ -4,6 +4,12 @@
 Lifetime rule: every engine request the server starts belongs to an `EngineCall`, and `EngineCall.close()`
 runs on every exit path (finished, client disconnect, error, shutdown). It aborts the engine requests
 that have not finished, which frees their KV blocks, and gives the admission slot back.
+
+Counting rule: every completion an `EngineCall` admits is counted exactly once in request_success_total:
+with its finish reason when the engine reports it finished; as "error" when the engine fails its request
+first; else as "abort" at close (the client went away or the server stopped, even before the request
+reached the engine: the server had accepted it, and nobody got its output). A request that the engine
+refuses as invalid (a 400), or that meets a dead engine, is not counted.
 """
 from __future__ import annotations
 
@@ -197,14 +203,31 @@ class Serving:
             raise bad_request(f"invalid value for '{param}': expected an integer in [0, {limit}], got {value}",
                               param=param)
 
-    def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> "EngineCall":
-        """Admit (or 429) and return the call; nothing reaches the engine until it is iterated."""
+    def start(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> "EngineCall":
+        """Admit (or 429) and return the call (params: one per prompt); nothing reaches the engine until it
+        is iterated."""
         self.check_accepting()
-        num_seqs = len(prompts) * params.n
+        num_seqs = sum(p.n for p in params)
         self.admission.acquire(num_seqs)
         call = EngineCall(self, request_id, prompts, params, num_seqs)
         self.live_calls.add(call)
         return call
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    """stream_options applies to streamed responses only; given without stream=true it is a client mistake
+    (a 400, as in vLLM), not an option to ignore."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given when stream is true; set stream to true or leave "
+                          "stream_options out (or null)", param="stream_options")
+
+
+def per_prompt_params(params: SamplingParams, max_tokens: list[int]) -> list[SamplingParams]:
+    """params for each prompt, with that prompt's own output budget; prompts with equal budgets share one."""
+    by_budget = {params.max_tokens: params}
+    for budget in set(max_tokens) - by_budget.keys():
+        by_budget[budget] = params.replace(max_tokens=budget)
+    return [by_budget[budget] for budget in max_tokens]
 
 
 def _first(*values):
@@ -218,9 +241,10 @@ def _as_tuple(stop: str | list[str] | None) -> tuple[str, ...] | None:
 
 
 class EngineCall:
-    """The engine requests of one HTTP request (one per prompt); `close()` is idempotent."""
+    """The engine requests of one HTTP request (one per prompt, with its params); `close()` is idempotent.
+    See the counting rule in the module docstring."""
 
-    def __init__(self, serving: Serving, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def __init__(self, serving: Serving, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
                  num_seqs: int) -> None:
         self.serving = serving
         self.request_id = request_id
@@ -230,6 +254,7 @@ class EngineCall:
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.unfinished = set(self.engine_ids)
         self.final: list[RequestOutput | None] = [None] * len(prompts)
+        self.counted: list[set[int]] = [set() for _ in prompts]   # per prompt: completion indexes counted
         self.closed = False
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -260,13 +285,13 @@ class EngineCall:
 
     async def _one(self, i: int) -> AsyncIterator[RequestOutput]:
         engine_id = self.engine_ids[i]
-        observed: set[int] = set()
+        counted = self.counted[i]
         try:
-            async for out in self.serving.engine.generate(self.prompts[i], self.params, engine_id):
+            async for out in self.serving.engine.generate(self.prompts[i], self.params[i], engine_id):
                 for o in out.outputs:
-                    if o.finish_reason is not None and o.index not in observed:
-                        observed.add(o.index)
-                        self.serving.metrics.observe_finished(o, self.params)
+                    if o.finish_reason is not None and o.index not in counted:
+                        counted.add(o.index)
+                        self.serving.metrics.observe_finished(o, self.params[i])
                 if out.finished:
                     self.unfinished.discard(engine_id)
                     self.final[i] = out
@@ -276,12 +301,12 @@ class EngineCall:
             raise from_value_error(e) from None
         except RequestUnavailableError as e:   # its replica died; the others serve on: retry
             self.unfinished.discard(engine_id)
-            self.serving.metrics.count_finished(self.params.n, "error")
+            self._count_the_rest(i, "error")
             raise OpenAIError(503, str(e), type="server_error", code="replica_unavailable",
                               headers={"Retry-After": "1"}) from None
         except RequestFailedError as e:   # this request alone failed in the engine; the engine serves on
             self.unfinished.discard(engine_id)
-            self.serving.metrics.count_finished(self.params.n, "error")
+            self._count_the_rest(i, "error")
             raise OpenAIError(500, str(e), type="server_error", code="request_failed") from None
         except EngineDeadError as e:
             self.unfinished.discard(engine_id)
@@ -294,10 +319,18 @@ class EngineCall:
         self.serving.admission.release(self.num_seqs)
         self.serving.live_calls.discard(self)
         with anyio.CancelScope(shield=True):
-            for engine_id in list(self.unfinished):
-                self.unfinished.discard(engine_id)
-                await self.serving.engine.abort(engine_id)
-                self.serving.metrics.count_finished(self.params.n, "abort")   # nobody reads their final output
+            for i, engine_id in enumerate(self.engine_ids):
+                if engine_id in self.unfinished:
+                    self.unfinished.discard(engine_id)
+                    await self.serving.engine.abort(engine_id)
+                    self._count_the_rest(i, "abort")    # nobody reads their final output
+
+    def _count_the_rest(self, i: int, reason: str) -> None:
+        """Counts the completions of prompt i not counted yet as ended by `reason` (then all are counted)."""
+        counted, n = self.counted[i], self.params[i].n
+        if len(counted) < n:
+            self.serving.metrics.count_finished(n - len(counted), reason)
+            counted.update(range(n))
 
     def usage(self) -> Usage:
         """Usage over the final outputs (prompt tokens once per prompt, every generated token)."""
