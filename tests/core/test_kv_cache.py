@@ -19,6 +19,7 @@ def admit(kv: KVCacheManager, r: Request) -> list[int]:
     """Prefix lookup + allocation for the whole prompt, as the scheduler does; returns the block table."""
     hits, n = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n, hits) is not None
+    kv.record_prefix_lookup(r, n)
     r.num_computed_tokens = r.num_tokens
     return kv.block_ids(r.request_id)
 
@@ -49,7 +50,9 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     kv.allocate_slots(b, b.num_tokens - n, hits)
     assert kv.block_ids("b") == [0, 1, 3]
     assert [kv.pool.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
-    assert kv.prefix_hits_tokens == 8
+    assert kv.prefix_hits_tokens == 0                  # a lookup alone counts nothing
+    kv.record_prefix_lookup(b, n)
+    assert (kv.prefix_queries_tokens, kv.prefix_hits_tokens) == (10 + 11, 8)
 
 
 def test_full_prompt_hit_leaves_last_token_to_compute():

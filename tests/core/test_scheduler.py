@@ -3,6 +3,7 @@ exact budgets, block ids, preemption and abort."""
 from __future__ import annotations
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.decode_yield import DecodeYieldMeter
 from tokenmill.core.kv_cache.manager import KVCacheManager
 from tokenmill.core.messages import RunnerOutput
 from tokenmill.core.request import FinishReason, Request, RequestStatus
@@ -167,3 +168,60 @@ def test_drafts_get_every_token_left_without_prefill_and_never_preempt():
     assert not out.preempted_request_ids and {sr.request_id for sr in out.scheduled} == {"a", "b"}
     assert all(sr.num_draft_tokens == 0 for sr in out.scheduled)
     assert a.status == b.status == RequestStatus.RUNNING
+
+
+def test_a_prompt_granted_a_chunk_but_no_blocks_leaves_the_budget_to_the_drafts():
+    """b's 13-token prompt is granted its chunk, then finds 3 free blocks of the 4 it needs: it waits, and
+    the grant goes back whole, so a's drafts get the tokens b did not use and a counts as fully drafted."""
+    s = make(num_blocks=4, block_size=4, budget=16)
+    _decoding_with_drafts(s, "a", [5, 6, 7, 8])
+    s.add_request(request("b", 13, 2, start=100))
+    out = s.schedule()
+    assert [(sr.request_id, sr.num_draft_tokens) for sr in out.scheduled] == [("a", 4)]
+    assert out.num_requests_drafts_withheld == 0
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_a_prefix_lookup_counts_once_per_admission_however_long_the_request_waited():
+    """b shares a's first 2 blocks but waits 3 steps for a block of its own, until a finishes: its lookup
+    counts once, when it is admitted."""
+    s = make(num_blocks=4, block_size=4, budget=64)
+    s.add_request(request("a", 12, 4))                 # 3 blocks, then the 4th for its output
+    step(s)
+    b = Request("b", list(range(1, 9)) + [100, 101, 102, 103], SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add_request(b)
+    steps = 0
+    while b.status == RequestStatus.WAITING:
+        step(s)
+        steps += 1
+    assert steps == 4 and b.num_cached_tokens == 8
+    assert (s.kv.prefix_queries_tokens, s.kv.prefix_hits_tokens) == (12 + 12, 0 + 8)
+
+
+def test_drafts_accepted_past_a_stop_token_are_not_counted():
+    """n-gram drafts that repeat a stop token, all accepted: the request ends at the first one, and the
+    counters, the request's own and the decode yield count only the tokens it kept."""
+    s = make()
+    s.decode_yield = DecodeYieldMeter(decay=1.0)
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=20, stop_token_ids=[9]))
+    s.add_request(r)
+    step(s)                                            # its prefill and first token
+    r.spec_token_ids = [9, 9, 9]
+    out = s.schedule()
+    s.update(out, RunnerOutput({"a": [9, 9, 9, 4]}))  # the stop token, then 2 more accepted, then a bonus
+    assert r.is_finished and r.output_token_ids[1:] == [9]
+    assert r.num_accepted_draft_tokens == 0 <= len(r.output_token_ids) - 1
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (3, 0)
+    assert s.decode_yield.current.output_tokens == 1.0
+
+
+def test_drafts_accepted_past_max_tokens_are_not_counted():
+    s = make()
+    r = request("a", 3, 3)
+    s.add_request(r)
+    step(s)                                            # its first token
+    r.spec_token_ids = [5, 5, 5]
+    out = s.schedule()
+    s.update(out, RunnerOutput({"a": [5, 5, 5, 5]}))
+    assert r.is_finished and len(r.output_token_ids) == 3
+    assert r.num_accepted_draft_tokens == s.spec_stats.num_accepted_tokens == 1

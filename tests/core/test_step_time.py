@@ -123,7 +123,8 @@ def test_a_step_with_prefill_tokens_pays_the_per_step_prefill_costs_once():
     forecast's mean step may give a fraction). A chunk's marginal time is what it adds to the work a step
     has: the step's first prefill chunk adds per_prefill_step, and per_mixed_step beside decode rows, a later
     one only its tokens; decode rows alone pay neither, a first decode row beside prefill pays
-    per_mixed_step. A budget charges grants so, and a refund gives back what the grant added."""
+    per_mixed_step. A budget charges grants so, and a rollback gives back what the grants since its
+    checkpoint added."""
     assert StepFeatures(3, 0, 10).values()[4:] == (0.0, 0.0) and StepFeatures(3, 2, 10).values()[4:] == (1.0, 1.0)
     assert StepFeatures(0, 2, 10).values()[4:] == (1.0, 0.0)
     assert StepFeatures(3, 2, 10, prefill_steps=0.25).values()[4:] == (0.25, 0.25)
@@ -144,13 +145,31 @@ def test_a_step_with_prefill_tokens_pays_the_per_step_prefill_costs_once():
     assert model.max_chunk(0, 1000, 0.02, decodes) < model.max_chunk(0, 1000, 0.02, StepFeatures(8, 5, 815))
     budget = StepBudget(tokens=1000, allowance_s=1.0, model=model)
     assert budget.grant(99, 1) == 1 and budget.step == StepFeatures(1, 0, 100)
+    checkpoint = budget.checkpoint()
     assert budget.grant(0, 40) == 40 and budget.grant(0, 30) == 30
     spent = model.predict(StepFeatures(1, 70, 100 + 820 + 465)) - model.predict(StepFeatures())
     assert budget.seconds == pytest.approx(1.0 - spent)
-    budget.refund(0, 30)
-    budget.refund(0, 40)
-    assert budget.step == StepFeatures(1, 0, 100)
+    budget.rollback(checkpoint)
+    assert budget.step == StepFeatures(1, 0, 100) and budget.tokens == 999 and not budget.prefill_granted
     assert budget.seconds == pytest.approx(1.0 - model.chunk_marginal(99, 1))
+
+
+def test_a_rolled_back_prefill_chunk_leaves_no_trace_on_later_grants():
+    """A chunk granted past the time left (the step's minimum chunk) and then rolled back (its request found
+    no KV blocks): the next prompt still gets the minimum chunk, and the drafts get what they would have had
+    without it, not its overdraft as well."""
+    model = StepTimeModel(prior=COSTS)
+    def budget() -> StepBudget:
+        b = StepBudget(tokens=1000, allowance_s=model.chunk_marginal(99, 1) + 0.02, model=model,
+                       min_prefill_chunk=16)
+        assert b.grant(99, 1) == 1                          # a decode row
+        return b
+    untouched, rolled_back = budget(), budget()
+    checkpoint = rolled_back.checkpoint()
+    assert rolled_back.grant(0, 400) == 16 and rolled_back.prefill_granted     # 16 tokens past the time left
+    rolled_back.rollback(checkpoint)
+    assert rolled_back.grant_drafts(99, 100) == untouched.grant_drafts(99, 100) > 0
+    assert rolled_back.grant(0, 400) == untouched.grant(0, 400) == 16
 
 
 def test_the_fit_tells_the_per_step_costs_from_the_per_token_one():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -126,10 +127,15 @@ class StepBudget:
             self._uncharge(start_position, 1 + n)
             self._charge(start_position, 1)
 
-    def refund(self, start_position: int, n: int) -> None:
-        """Give back a grant that was not scheduled (its request was preempted instead)."""
-        self.tokens += n
-        self._uncharge(start_position, n)
+    def checkpoint(self) -> tuple:
+        """What has been granted so far, for `rollback`."""
+        return self.tokens, self.prefill_granted, tuple(self._work), self._overdraft_s
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Undo every grant made since `checkpoint` was taken, exactly: tokens, work, the prefill flag and the
+        overdraft (a chunk granted but not scheduled, for want of KV blocks, leaves no trace on later grants)."""
+        self.tokens, self.prefill_granted, work, self._overdraft_s = checkpoint
+        self._work = list(work)
 
 
 class SchedulingPolicy:
@@ -174,6 +180,12 @@ class SchedulingPolicy:
 
     def request_finished(self, request: Request) -> None:
         """`request` left the scheduler (request.finish_reason says why); its blocks are already freed."""
+
+    @contextmanager
+    def learning_paused(self):
+        """Requests that arrive and finish inside the block teach the policy nothing (the start-up
+        calibration's synthetic requests are no load and no output lengths). The base class learns nothing."""
+        yield
 
 
 class FCFSPolicy(SchedulingPolicy):

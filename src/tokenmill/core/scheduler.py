@@ -118,6 +118,7 @@ class Scheduler:
         pending = self.policy.running_order(self.running)      # not yet scheduled this step
         while pending and budget.tokens > 0:
             request = pending[0]
+            checkpoint = budget.checkpoint()
             num_new = self._chunk(request, request.num_computed_tokens, budget, now)
             if num_new == 0:                                   # no time left for its chunk this step
                 pending.pop(0)
@@ -128,7 +129,7 @@ class Scheduler:
                 pending.remove(victim)
                 self._preempt(victim, preempted)
                 if victim is request:
-                    budget.refund(start, num_new)
+                    budget.rollback(checkpoint)
                     break
             else:
                 scheduled.append(self._scheduled(request, num_new))
@@ -151,9 +152,14 @@ class Scheduler:
             if not self.policy.may_admit(request, self, now):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            checkpoint = budget.checkpoint()
             num_new = self._chunk(request, num_hit_tokens, budget, now)
-            if num_new == 0 or self._allocate(request, num_hit_tokens, num_new, hits) is None:
+            if num_new == 0:
                 break
+            if self._allocate(request, num_hit_tokens, num_new, hits) is None:
+                budget.rollback(checkpoint)           # the drafts granted last may have its share
+                break
+            self.kv.record_prefix_lookup(request, num_hit_tokens)   # once per admission, not per retry
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
@@ -235,17 +241,9 @@ class Scheduler:
             # of the drafts, only the accepted ones (all but the last sampled token) hold valid KV
             rejected = sr.num_draft_tokens - max(len(sampled) - 1, 0) if sr.num_draft_tokens else 0
             request.num_computed_tokens += sr.num_new_tokens - rejected
-            if self.decode_yield is not None and request.num_output_tokens \
-                    and sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.request_id not in self.drafts_withheld:
-                self.decode_yield.record(self.step_model.chunk_features(sr.start_position, sr.num_new_tokens),
-                                         len(sampled))
-            if sr.num_draft_tokens:
-                request.spec_token_ids = []
-                self.spec_stats.record(sr.num_draft_tokens, len(sampled) - 1)
-                request.num_spec_steps += 1
-                request.last_accepted_drafts = max(len(sampled) - 1, 0)
-                request.num_accepted_draft_tokens += request.last_accepted_drafts
+            decoding = request.num_output_tokens > 0
             new_ids = self._append_tokens(request, sampled)
+            self._record_yield(sr, request, decoding, len(new_ids))
             if rejected and not request.is_finished and self.kv.trim(request, request.num_tokens):
                 self.trimmed_since_last_step.append(request.request_id)   # blocks only rejected drafts filled
             if new_ids and request.first_token_time is None:
@@ -253,6 +251,23 @@ class Scheduler:
             if new_ids:
                 produced.append((request, new_ids))
         return produced
+
+    def _record_yield(self, sr: ScheduledRequest, request: Request, decoding: bool, num_kept: int) -> None:
+        """Feed the decode-yield meter and the speculation counters one request's step, by the tokens it
+        kept (num_kept): sampled tokens past a stop token or max_tokens are dropped, and so are the drafts
+        they accepted. A stop string is found later, by the engine's detokenizer: the tokens past it still
+        count here (a step's last few at most). decoding: the request had output tokens before the step."""
+        if self.decode_yield is not None and decoding \
+                and sr.num_new_tokens - sr.num_draft_tokens == 1 and sr.request_id not in self.drafts_withheld:
+            self.decode_yield.record(self.step_model.chunk_features(sr.start_position, sr.num_new_tokens),
+                                     num_kept)
+        if sr.num_draft_tokens:
+            request.spec_token_ids = []
+            accepted = max(num_kept - 1, 0)          # the first kept token is the target's own
+            self.spec_stats.record(sr.num_draft_tokens, accepted)
+            request.num_spec_steps += 1
+            request.last_accepted_drafts = accepted
+            request.num_accepted_draft_tokens += accepted
 
     def _fail(self, request: Request) -> None:
         """Finish a request whose step failed. Blocks its step filled may hold partial KV: they leave the

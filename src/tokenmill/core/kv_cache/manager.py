@@ -18,7 +18,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of each request already in the cache
-        self.prefix_queries_tokens = 0                # prompt tokens looked up in the prefix cache
+        self.prefix_queries_tokens = 0                # tokens looked up in the prefix cache, once per admission
         self.prefix_hits_tokens = 0                   # of which found
 
     @property
@@ -35,7 +35,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's tokens, as (blocks, num_tokens). At least one token is
-        always left to compute, since the step that computes the last token produces the logits."""
+        always left to compute, since the step that computes the last token produces the logits. A lookup
+        changes nothing, counters included (record_prefix_lookup counts the one an admission used)."""
         if not self.enable_prefix_caching:
             return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
@@ -46,9 +47,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries_tokens += request.num_tokens
-        self.prefix_hits_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count the lookup that admitted `request` (its tokens queried, num_hit_tokens of them found): once
+        per admission, however many steps it waited at the head of the queue."""
+        if self.enable_prefix_caching:
+            self.prefix_queries_tokens += request.num_tokens
+            self.prefix_hits_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
