@@ -467,3 +467,27 @@ def test_interactive_with_speculation_past_capacity_slo_meets_more_targets_than_
 def test_a_piece_overhead_share_that_is_not_positive_is_rejected_by_name(value):
     with pytest.raises(ValueError, match="max_piece_overhead must be > 0"):
         SLOPolicyConfig(max_piece_overhead=value)
+
+
+def test_a_mostly_cached_prompt_is_priced_by_the_prefill_it_still_needs():
+    """b's 1,616-token prompt has its first 1,600 tokens in the prefix cache: its TTFT allowance is its
+    target less a 16-token prefill, not a 1,616-token one (which alone would take past its 500 ms), so it
+    is not lost on arrival and goes before a 400-token uncached prompt with a looser target. Pricing it
+    looks the cache up without counting a query."""
+    s = Scheduler(SchedulerConfig(64, 4096, max_model_len=4096), KVCacheManager(512, 16, True), make_policy("slo"),
+                  StepTimeModel(prior=TRUE_COSTS), clock=lambda: 0.0)
+    prefix = list(range(1, 1601))
+    s.add_request(Request("warm", prefix + [9] * 4, _params(2, ttft=60_000.0), arrival_time=0.0))
+    while s.num_unfinished:
+        _step(s)
+    queries = s.kv.prefix_queries_tokens
+    b = Request("b", prefix + [8] * 16, _params(4, ttft=500.0), arrival_time=0.0)
+    s.add_request(b)
+    s.add_request(Request("c", [7] * 400, _params(4, ttft=2000.0), arrival_time=0.0))
+    policy = s.policy
+    whole_s = policy._whole_prefill_step_s(b, s)[1]
+    assert whole_s == pytest.approx(true_step_s(StepFeatures(0, 16, 1600 * 16 + 136)))
+    assert not policy._ttft_lost(b, s, 0.01, policy._decode_only_step(s.running))
+    policy.order_waiting(s.waiting, s, 0.01)
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    assert s.kv.prefix_queries_tokens == queries

@@ -34,6 +34,17 @@ def test_calibration_runs_once_per_machine_and_model_then_comes_from_the_cache(t
     assert other.engine.step_time_model()["source"] == "calibrated"      # a different setting, its own entry
 
 
+def test_the_calibrations_requests_are_no_load_for_the_policy(tiny_model_dir, cache_dir):
+    """The calibration's synthetic requests pass through the SLO policy but leave its arrival rate (the
+    admission forecast's coming load) and its output lengths as they were: empty."""
+    import time
+    llm = LLM(tiny_model_dir, scheduling_policy="slo", kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.step_time_model()["source"] == "calibrated"
+    policy = llm.engine.core.scheduler.policy
+    assert not policy.arrivals.times and policy.arrivals.rate(time.perf_counter()) == 0.0
+    assert not policy.lengths.records
+
+
 def test_fcfs_engines_skip_calibration_but_still_fit_online(tiny_model_dir, cache_dir):
     llm = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)
     assert llm.engine.step_time_model()["source"] == "online"

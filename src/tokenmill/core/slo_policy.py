@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ from tokenmill.core.batch_forecast import ArrivalRate, BatchForecast
 from tokenmill.core.decode_yield import PLAIN, DecodeYield
 from tokenmill.core.output_length import OutputLengths
 from tokenmill.core.policy import FCFSPolicy, StepBudget, register_policy
-from tokenmill.core.request import FinishReason, Request
+from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.step_time import StepFeatures
 
 if TYPE_CHECKING:
@@ -113,10 +114,38 @@ class SLOPolicy(FCFSPolicy):
 
     def __init__(self, config: SLOPolicyConfig | None = None) -> None:
         self.config = config or SLOPolicyConfig()
-        self.arrivals = ArrivalRate(self.config.rate_window_s, min_span_s=self.config.rate_min_span_s)
-        self.lengths = OutputLengths(self.config.length_window)
+        self.arrivals, self.lengths = self._new_meters()
         self._mean_memo: dict[tuple[str, int, int], int] = {}   # remaining_mean's answers while `lengths`
                                       # and the step stand (an admission test asks it ~6 times a request)
+        self._cached_memo: dict[str, int] = {}   # waiting requests' prefix-cache hits, looked up once a step
+
+    def _new_meters(self) -> tuple[ArrivalRate, OutputLengths]:
+        """What the policy learns from traffic: the arrival rate and the output lengths, none seen yet."""
+        c = self.config
+        return ArrivalRate(c.rate_window_s, min_span_s=c.rate_min_span_s), OutputLengths(c.length_window)
+
+    def _prefill_start(self, r: Request, scheduler: "Scheduler") -> int:
+        """The position r's prefill still to compute starts at: its computed tokens once it runs; while it
+        waits (none computed, or preempted), the tokens the prefix cache holds for it (a lookup that counts
+        no query, once a step), which its admission will take instead of computing."""
+        if r.status == RequestStatus.RUNNING:
+            return r.num_computed_tokens
+        start = self._cached_memo.get(r.request_id)
+        if start is None:
+            start = self._cached_memo[r.request_id] = scheduler.kv.get_computed_blocks(r)[1]
+        return start
+
+    @contextmanager
+    def learning_paused(self):
+        """Inside the block, arrivals and finished requests go to meters that are dropped after it: the
+        arrival rate and the output lengths are as they were before it."""
+        saved = self.arrivals, self.lengths
+        self.arrivals, self.lengths = self._new_meters()
+        try:
+            yield
+        finally:
+            self.arrivals, self.lengths = saved
+            self._mean_memo.clear()
 
     # ---- remaining output tokens ------------------------------------------------------------------------
     def request_finished(self, request: Request) -> None:
@@ -219,6 +248,7 @@ class SLOPolicy(FCFSPolicy):
         O(running) Python, and most steps under load are decodes alone, which it never limits. Without a
         running TPOT target there is no limit (an Offline batch: its budget counts nothing)."""
         self._mean_memo.clear()                   # a new step: every running request has a new token
+        self._cached_memo.clear()                 # and the prefix cache may have changed
         model, tokens = scheduler.step_model, scheduler.config.max_num_batched_tokens
         if not model.is_fitted or all(_tpot_s(r) is None for r in scheduler.running):
             return StepBudget(tokens)
@@ -249,7 +279,8 @@ class SLOPolicy(FCFSPolicy):
                 if now - r.arrival_time > self.config.max_hold_s:
                     return 0, r.arrival_time
                 lost = decode is not None and self._ttft_lost(r, scheduler, now, decode)
-                return 2 if lost else 1, _deadline(r, self.config) - model.chunk_marginal(0, r.num_tokens)
+                start = self._prefill_start(r, scheduler)
+                return 2 if lost else 1, _deadline(r, self.config) - model.chunk_marginal(start, r.num_tokens - start)
 
             ranked = sorted(waiting, key=key)
             waiting.clear()
@@ -342,7 +373,7 @@ class SLOPolicy(FCFSPolicy):
         decode_s, whole_s = self._whole_prefill_step_s(request, scheduler)
         tight = self._ttft_allowance_s(request, scheduler, whole_s) < \
             self.config.whole_prefill_ttft_ratio * (whole_s - decode_s)
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_tokens - self._prefill_start(request, scheduler)
         if tight:
             return remaining
         return min(remaining, self._overhead_chunk(model))
@@ -374,10 +405,12 @@ class SLOPolicy(FCFSPolicy):
     def _whole_prefill_step_s(self, r: Request, scheduler: "Scheduler",
                               decode: StepFeatures | None = None) -> tuple[float, float]:
         """Predicted seconds of a decode-only step of the running batch (`decode`, computed here if not
-        given), and of that step with the rest of r's prompt added whole."""
+        given), and of that step with the rest of r's prompt added whole (what the prefix cache holds of
+        it not counted: _prefill_start)."""
         model = scheduler.step_model
         decode = decode if decode is not None else self._decode_only_step(scheduler.running)
-        whole = decode.plus(model.chunk_features(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens))
+        start = self._prefill_start(r, scheduler)
+        whole = decode.plus(model.chunk_features(start, r.num_tokens - start))
         return model.predict(decode), model.predict(whole)
 
     @staticmethod

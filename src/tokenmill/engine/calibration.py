@@ -111,7 +111,8 @@ def calibrate(core) -> dict[str, float]:
     kv_counters = core.kv.prefix_queries_tokens, core.kv.prefix_hits_tokens
     rng = random.Random(0)
     fitted = StepTimeModel(decay=1.0)
-    with core.speculation_paused():                    # plain steps, the shapes the model's features name
+    # plain steps, the shapes the model's features name; synthetic requests, no load for the policy to learn
+    with core.speculation_paused(), core.scheduler.policy.learning_paused():
         _run_phase(core, *WARMUP, rng, "w")            # first steps pay one-time costs: not observed
         core.replace_step_model(fitted)
         for i, phase in enumerate(PHASES):
