@@ -16,11 +16,13 @@ def req(rid: str, tokens: list[int]) -> Request:
 
 
 def admit(kv: KVCacheManager, r: Request) -> list[int]:
-    """Prefix lookup + allocation for the whole prompt, as the scheduler does; returns the block table."""
+    """Prefix lookup + allocation for the whole prompt, then a successful step computing it, as the
+    scheduler does; returns the block table."""
     hits, n = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n, hits) is not None
     kv.record_prefix_lookup(r, n)
     r.num_computed_tokens = r.num_tokens
+    kv.cache_computed_blocks(r)
     return kv.block_ids(r.request_id)
 
 
@@ -132,3 +134,16 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     admit(kv_off, b)
     kv_off.free(b)                         # warm blocks first, most recently freed at the front
     assert list(kv_off.pool.free_queue) == [0, 1, 2, 3]
+
+
+def test_a_block_joins_the_prefix_cache_only_once_its_tokens_are_computed():
+    """Allocation caches nothing: until a step has written a block's KV, no other request may take it as a
+    hit (that step may yet fail). Afterwards, only the full blocks among the computed tokens are cached."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", range(10))
+    kv.allocate_slots(a, 10)
+    assert kv.pool.cached == {} and kv.get_computed_blocks(req("b", range(10))) == ([], 0)
+    a.num_computed_tokens = 6                  # a first chunk of 6 tokens computed: block 0 is full
+    kv.cache_computed_blocks(a)
+    hits, n = kv.get_computed_blocks(req("b", range(10)))
+    assert [blk.block_id for blk in hits] == [0] and n == 4

@@ -225,3 +225,45 @@ def test_drafts_accepted_past_max_tokens_are_not_counted():
     s.update(out, RunnerOutput({"a": [5, 5, 5, 5]}))
     assert r.is_finished and len(r.output_token_ids) == 3
     assert r.num_accepted_draft_tokens == s.spec_stats.num_accepted_tokens == 1
+
+
+def _blocks_written(sr, block_size: int) -> set[int]:
+    """The blocks whose KV a step writes for one scheduled request: those of its new positions."""
+    last = sr.start_position + sr.num_new_tokens - 1
+    return set(sr.block_ids[sr.start_position // block_size:last // block_size + 1])
+
+
+def test_the_prefix_cache_holds_only_blocks_that_a_step_which_succeeded_wrote():
+    """a and b share a 9-token prompt (2 full blocks of 4). b waits while a's step computes those blocks
+    (it would compute them again), and that step fails for a: its blocks never enter the prefix cache, so
+    b computes the prompt itself next step, and every cached block is one a successful step wrote."""
+    s = make(block_size=4, budget=64)
+    a, b = request("a", 9, 4), request("b", 9, 4)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert [sr.request_id for sr in out.scheduled] == ["a"]
+    s.update(out, RunnerOutput({}, failed={"a": "kernel fault"}))
+    assert a.finish_reason == FinishReason.ERROR and not s.kv.pool.cached
+    out = s.schedule()
+    assert [(sr.request_id, sr.start_position, sr.num_new_tokens) for sr in out.scheduled] == [("b", 0, 9)]
+    written = _blocks_written(out.scheduled[0], 4)
+    s.update(out, RunnerOutput({"b": [fake_next_token(b.all_token_ids)]}))
+    assert [s.kv.pool.lookup(h) for h in b.block_hashes[:2]] == s.kv.req_blocks["b"][:2]
+    assert {blk.block_id for blk in s.kv.pool.cached.values()} <= written
+
+
+def test_requests_sharing_a_prompt_admitted_together_compute_it_once():
+    """b waits one step while a computes the blocks they share, then hits them: only its last, partial
+    block is computed again."""
+    s = make(block_size=4, budget=64)
+    a, b, c = request("a", 9, 4), request("b", 9, 4), request("c", 6, 4, start=500)
+    for r in (a, b, c):
+        s.add_request(r)
+    out = step(s)
+    assert [sr.request_id for sr in out.scheduled] == ["a"]      # b (and c behind it, in order) wait a step
+    out = step(s)
+    assert [(sr.request_id, sr.start_position, sr.num_new_tokens) for sr in out.scheduled] == \
+        [("a", 9, 1), ("b", 8, 1), ("c", 0, 6)]
+    assert s.kv.req_blocks["b"][:2] == s.kv.req_blocks["a"][:2]
+    assert s.kv.prefix_hits_tokens == 8

@@ -257,3 +257,41 @@ def test_a_dead_loop_fails_everything_and_says_so(llm, alone, monkeypatch):
         engine.shutdown()
         for rid in list(llm.engine.requests):
             llm.engine.abort_request(rid)
+
+
+def _blocks_written(sr, block_size: int) -> set[int]:
+    """The blocks whose KV the step writes for one scheduled request: those of its new positions."""
+    last = sr.start_position + len(sr.token_ids) - 1
+    return set(sr.block_ids[sr.start_position // block_size:last // block_size + 1])
+
+
+def test_a_request_of_a_failed_step_never_reads_kv_its_failed_batch_mate_was_to_write(tiny_model_dir, monkeypatch):
+    """A and B share an 8-token prompt (2 blocks of 4); the forward pass raises whenever A is in a step,
+    before computing anything. A fails; B gets the tokens it gets alone (none read from a block A was to
+    write), and every block left in the prefix cache holds KV that a step which succeeded wrote."""
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    reference = LLM(tiny_model_dir, kv_cache_memory_bytes=1 << 20, block_size=4, enable_prefix_caching=False)
+    alone_b = reference.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=1 << 20, block_size=4)
+    runner, written = llm.engine.core.runner, set()
+    real = runner._execute
+
+    def execute(sched_out):
+        if any(sr.request_id == "A" for sr in sched_out.scheduled):
+            raise RuntimeError("kernel fault")
+        out = real(sched_out)
+        for sr in sched_out.scheduled:
+            written.update(_blocks_written(sr, 4))
+        return out
+    monkeypatch.setattr(runner, "_execute", execute)
+    engine = llm.engine
+    engine.add_request("A", prompt, GREEDY)
+    engine.add_request("B", prompt, GREEDY)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "kernel fault" in finals["A"].error
+    assert finals["B"].error is None and finals["B"].outputs[0].token_ids == alone_b
+    cached = {block.block_id for block in engine.core.kv.pool.cached.values()}
+    assert cached and cached <= written
+    _check_idle(llm)

@@ -80,9 +80,9 @@ class Scheduler:
             done.append(request)
         return done
 
-    def _free(self, request: Request, drop_cached: bool = False) -> None:
+    def _free(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
-        self.kv.free(request, drop_cached)
+        self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self.finished_since_last_step.append(request.request_id)
         self.policy.request_finished(request)
@@ -95,6 +95,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         budget = self.policy.begin_step(self, now)
+        self.kv.begin_step()
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._schedule_running(budget, scheduled, preempted, now)
@@ -132,6 +133,7 @@ class Scheduler:
                     budget.rollback(checkpoint)
                     break
             else:
+                self.kv.note_computing(request, start + num_new)
                 scheduled.append(self._scheduled(request, num_new))
                 pending.pop(0)
 
@@ -152,6 +154,8 @@ class Scheduler:
             if not self.policy.may_admit(request, self, now):
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.kv.computes_next_block(request, len(hits)):
+                break                                 # next step it hits what this step computes
             checkpoint = budget.checkpoint()
             num_new = self._chunk(request, num_hit_tokens, budget, now)
             if num_new == 0:
@@ -168,6 +172,7 @@ class Scheduler:
             self.running.append(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            self.kv.note_computing(request, num_hit_tokens + num_new)
             scheduled.append(self._scheduled(request, num_new))
 
     def _schedule_drafts(self, budget: StepBudget, scheduled: list, allowed: bool = True) -> set[str]:
@@ -226,7 +231,8 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts, append sampled tokens, finish requests that stop or failed.
+        """Advance computed counts, append sampled tokens, put the blocks a request's step completed in the
+        prefix cache (a failed request's step caches nothing), finish requests that stop or failed.
         Returns (request, new token ids) for every request that produced tokens or failed this step."""
         produced = []
         for sr in sched_out.scheduled:
@@ -242,7 +248,7 @@ class Scheduler:
             rejected = sr.num_draft_tokens - max(len(sampled) - 1, 0) if sr.num_draft_tokens else 0
             request.num_computed_tokens += sr.num_new_tokens - rejected
             decoding = request.num_output_tokens > 0
-            new_ids = self._append_tokens(request, sampled)
+            new_ids = self._append_tokens_and_cache(request, sampled)
             self._record_yield(sr, request, decoding, len(new_ids))
             if rejected and not request.is_finished and self.kv.trim(request, request.num_tokens):
                 self.trimmed_since_last_step.append(request.request_id)   # blocks only rejected drafts filled
@@ -270,21 +276,28 @@ class Scheduler:
             request.num_accepted_draft_tokens += accepted
 
     def _fail(self, request: Request) -> None:
-        """Finish a request whose step failed. Blocks its step filled may hold partial KV: they leave the
-        prefix cache, so no later request reuses them."""
+        """Finish a request whose step failed. The blocks that step was to fill may hold partial KV, but
+        they never entered the prefix cache (only a step that succeeded caches what it wrote), so no other
+        request has read them or ever will."""
         self.running.remove(request)
         request.finish_reason, request.stop_reason = FinishReason.ERROR, None
-        self._free(request, drop_cached=True)
+        self._free(request)
 
-    def _append_tokens(self, request: Request, token_ids) -> list[int]:
-        accepted = []
+    def _append_tokens_and_cache(self, request: Request, token_ids) -> list[int]:
+        """After a successful step: append its sampled tokens up to a stop, then put the blocks the step
+        completed in the prefix cache (their KV is written now), then finish the request if it stopped.
+        Returns the tokens kept."""
+        accepted, stopped = [], False
         for token_id in token_ids:
             request.append_output_token(token_id)
             accepted.append(token_id)
             if request.check_stop(token_id):
-                self.running.remove(request)
-                self._free(request)
+                stopped = True
                 break
+        self.kv.cache_computed_blocks(request)
+        if stopped:
+            self.running.remove(request)
+            self._free(request)
         return accepted
 
 

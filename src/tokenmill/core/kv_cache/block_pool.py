@@ -62,16 +62,13 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_count += 1
 
-    def free(self, blocks: list[KVBlock], drop_cached: bool = False) -> None:
+    def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference on each block, in the given order; a block reaching 0 joins the queue's end.
-        Callers pass a request's blocks last-first so its tail is evicted before its shared prefix.
-        drop_cached: a block reaching 0 also loses its cached content (and so is reused first)."""
+        Callers pass a request's blocks last-first so its tail is evicted before its shared prefix."""
         for block in blocks:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"KV block {block.block_id} freed more often than taken"
             if block.ref_count == 0:
-                if drop_cached:
-                    self._evict(block)
                 self.free_queue[block.block_id] = block
                 if block.block_hash is None:   # nothing worth keeping: reuse it first
                     self.free_queue.move_to_end(block.block_id, last=False)

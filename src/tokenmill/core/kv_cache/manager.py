@@ -1,8 +1,14 @@
 """KV cache manager: which blocks each request holds. Hides the pool; answers "no room" with None.
 
 A request's blocks cover its tokens in order: token at position p lives in block table entry
-p // block_size, slot p % block_size. Full blocks are registered in the prefix cache as soon as the step
-that computes their last token is scheduled (their token ids are known then).
+p // block_size, slot p % block_size.
+
+Invariant: a block is in the prefix cache only once a step that wrote its KV has succeeded
+(cache_computed_blocks, after the step; never at allocation), so no request ever takes as a prefix hit a
+block whose KV a step has yet to write, or failed to write. The blocks a step will complete are noted
+(note_computing) so that the scheduler holds back, for one step, a request whose next uncached block is
+one of them (computes_next_block): it then hits that block instead of computing it again, as the n
+completions of a request, or prompts sharing a system prompt, admitted together do.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # leading blocks of each request already in the cache
+        self.computing_hashes: set[bytes] = set()     # full blocks this step will complete, not yet cached
         self.prefix_queries_tokens = 0                # tokens looked up in the prefix cache, once per admission
         self.prefix_hits_tokens = 0                   # of which found
 
@@ -49,6 +56,26 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def begin_step(self) -> None:
+        """A new step: no block is being computed yet."""
+        self.computing_hashes.clear()
+
+    def note_computing(self, request: Request, num_tokens: int) -> None:
+        """The step being scheduled computes the request's tokens up to num_tokens: the full blocks it
+        completes are being computed (they join the prefix cache once it succeeds)."""
+        if not self.enable_prefix_caching:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self.computing_hashes.update(request.block_hashes[self.num_cached_blocks.get(request.request_id, 0):num_full])
+
+    def computes_next_block(self, request: Request, num_hit_blocks: int) -> bool:
+        """Whether the block after the request's num_hit_blocks prefix-cache hits is one this step computes
+        for another request (admitted now, it would compute that block again)."""
+        hashes = request.block_hashes
+        return (num_hit_blocks < (request.num_tokens - 1) // self.block_size and num_hit_blocks < len(hashes)
+                and hashes[num_hit_blocks] in self.computing_hashes)
+
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count the lookup that admitted `request` (its tokens queried, num_hit_tokens of them found): once
         per admission, however many steps it waited at the head of the queue."""
@@ -73,13 +100,14 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register in the prefix cache the request's full blocks among its computed tokens. Call it only
+        after the step that computed them succeeded: from then on any request may read their KV."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -105,10 +133,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def free(self, request: Request, drop_cached: bool = False) -> None:
-        """Release every block of the request (tail first, so shared prefixes outlive it in the LRU).
-        drop_cached: its blocks that no other request holds leave the prefix cache (their content is not
-        to be trusted, e.g. after a failed step)."""
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first, so shared prefixes outlive it in the LRU). Its
+        cached blocks keep their content: a successful step wrote it, whatever happened to the request since."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)), drop_cached)
+        self.pool.free(list(reversed(blocks)))
