@@ -74,3 +74,25 @@ def test_bad_draft_configs_are_clear_errors(tiny_model_factory):
               speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": short})
     out = llm.generate([[5, 6, 7, 8] * 4], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     assert (out.outputs[0].finish_reason, len(out.outputs[0].token_ids)) == ("length", 4)   # to the end, no error
+
+
+def test_rows_held_when_a_request_finishes_reach_the_blocks_a_prefix_hit_reuses(tiny_model_factory, monkeypatch):
+    """A draft model with the target's weights drafts exactly the target's tokens where its cache is
+    complete. A request that drafts nothing (k = 0) finishes with its rows held; the same sequence submitted
+    again hits its blocks in the prefix cache, and every draft is accepted: the held rows reached the draft
+    model's cache before the blocks were reused."""
+    target = tiny_model_factory("llama")
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": target, "adaptive": True}
+    llm = LLM(target, block_size=4, kv_cache_memory_bytes=1 << 22, speculative_config=spec,
+              enable_prefix_caching=True)
+    k = [0]
+    monkeypatch.setattr(llm.engine.core.draft_length, "choose", lambda model, positions: k[0])
+    first = llm.generate([PROMPTS[1]], GREEDY)[0]
+    k[0] = 3
+    before = llm.engine.stats()
+    llm.generate([PROMPTS[1] + first.outputs[0].token_ids], GREEDY)
+    after = llm.engine.stats()
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total == 24       # 6 blocks of 4
+    drafted = after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens
+    accepted = after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens
+    assert drafted > 0 and accepted == drafted

@@ -143,7 +143,7 @@ def test_rows_held_while_speculation_is_off_leave_the_mtp_cache_complete(mtp_mod
     run, its rows are held; when k is back, they run first, and the drafts are what the layer over the whole
     sequence at once proposes."""
     llm = _llm(mtp_model, {**MTP, "adaptive": True})
-    schedule = iter([0] * 9 + [3] * 100)                  # k for step 2, 3, ... (step 1 drafts with k = 3)
+    schedule = iter([0] * 9 + [3] * 100)                  # k chosen in step 1, 2, ...: chained with a step later
     monkeypatch.setattr(llm.engine.core.draft_length, "choose", lambda model, positions: next(schedule))
     runner = llm.engine.core.runner
     steps, runs = [], []
@@ -158,3 +158,89 @@ def test_rows_held_while_speculation_is_off_leave_the_mtp_cache_complete(mtp_mod
     sampled = [t for _, ro in steps[:11] for t in ro.sampled_token_ids[out.request_id]]
     drafts = steps[10][1].draft_token_ids[out.request_id]  # step 11: held rows, then this step's, then drafts
     assert drafts == _reference_drafts(llm, prompt + sampled[:-1], sampled[-1], 3)
+
+
+def test_each_adaptive_step_is_recorded_under_the_draft_length_it_carried(mtp_model, monkeypatch):
+    """The worker chains a step's drafts in the step before: the k chosen there is the one they carry, and
+    each step's sample is recorded under the number of drafts it carried (a trial of a larger k measures
+    steps with that many drafts, not the smaller k's)."""
+    llm = _llm(mtp_model, {**MTP, "adaptive": True})
+    core = llm.engine.core
+    schedule = iter([0, 0] + [3] * 100)
+
+    def choose(model, positions):                         # as AdaptiveDraftLength.choose: last_k is the choice
+        core.draft_length.last_k = next(schedule)
+        return core.draft_length.last_k
+    monkeypatch.setattr(core.draft_length, "choose", choose)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    samples = []                                          # (k recorded, [(drafts carried, room for drafts)])
+    observe = core._observe_speculation
+
+    def recording(sched_out, produced):
+        sample = observe(sched_out, produced)
+        if sample is not None:
+            before = {req.request_id: req.num_output_tokens - len(ids) for req, ids in produced}
+            samples.append((sample.k, [(sr.num_draft_tokens, params.max_tokens - before[sr.request_id] - 1)
+                                       for sr in sched_out.scheduled]))
+        return sample
+    monkeypatch.setattr(core, "_observe_speculation", recording)
+    llm.generate([PROMPTS[1]], params)
+    assert [k for k, _ in samples][:4] == [3, 0, 0, 3]    # step 2 carries the drafts step 1 chained with k = 3
+    for k, requests in samples:
+        for drafts, room in requests:
+            assert drafts == min(k, room), samples
+
+
+def test_rows_held_when_a_request_finishes_reach_the_blocks_a_prefix_hit_reuses(mtp_model, monkeypatch):
+    """A request that drafts nothing (k = 0) finishes with its rows held; its blocks stay in the prefix cache.
+    The same sequence submitted again hits them, and its drafts are what the layer over the whole sequence
+    proposes: the held rows reached the layer's cache before the blocks were reused."""
+    llm = _llm(mtp_model, {**MTP, "adaptive": True}, enable_prefix_caching=True)
+    k = [0]
+    monkeypatch.setattr(llm.engine.core.draft_length, "choose", lambda model, positions: k[0])
+    prompt = PROMPTS[1]
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))[0]
+    sequence = prompt + first.outputs[0].token_ids
+    k[0] = 3
+    runner = llm.engine.core.runner
+    steps = []
+    execute = runner.execute
+    runner.execute = lambda so: steps.append(execute(so)) or steps[-1]
+    hits_before = llm.engine.stats().prefix_cache_hits_total
+    out = llm.generate([sequence], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
+    assert llm.engine.stats().prefix_cache_hits_total - hits_before == 20      # 5 blocks of 4
+    a, b = out.outputs[0].token_ids                      # step 1 drafts nothing (k = 0 then); step 2 drafts
+    assert steps[1].draft_token_ids[out.request_id] == _reference_drafts(llm, sequence + [a], b, 3)
+
+
+def test_a_prefix_hit_on_rows_another_request_holds_finds_them_in_the_cache(mtp_model):
+    """A request that never drafts (it asks for logprobs) holds its rows; a request admitted later hits its
+    prompt's blocks and drafts at once: the held rows run before its drafts read them."""
+    llm = _llm(mtp_model, enable_prefix_caching=True)
+    engine, runner = llm.engine, llm.engine.core.runner
+    steps = []
+    execute = runner.execute
+    runner.execute = lambda so: steps.append((so, execute(so))) or steps[-1][1]
+    holder, hitter = PROMPTS[1], PROMPTS[1] + [77, 78]
+    engine.add_request("holder", holder, SamplingParams(temperature=0.0, max_tokens=4, logprobs=1))
+    engine.step()
+    assert runner.drafter.pending                         # the holder's prompt rows
+    engine.add_request("hitter", hitter, SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    sched_out, out = steps[1]
+    [sr] = [sr for sr in sched_out.scheduled if sr.start_position == 8]     # past the holder's 2 full blocks
+    first = out.sampled_token_ids[sr.request_id][0]
+    assert out.draft_token_ids[sr.request_id] == _reference_drafts(llm, hitter, first, 3)
+
+
+def test_an_empty_step_still_settles_the_rows_of_finished_requests(mtp_model, monkeypatch):
+    """A step that schedules nothing still tells the drafter which requests finished: none of their rows
+    stay held."""
+    llm = _llm(mtp_model, {**MTP, "adaptive": True})
+    monkeypatch.setattr(llm.engine.core.draft_length, "choose", lambda model, positions: 0)
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    drafter = llm.engine.core.runner.drafter
+    assert drafter.pending                                # held when it finished, reported at the next step
+    assert llm.engine.core.step() == []                   # nothing to schedule: an empty step
+    assert not drafter.pending

@@ -114,6 +114,9 @@ class EngineCore:
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens) if spec is not None and spec.adaptive \
             else None                                  # None: always k
+        # the draft length the drafts that requests bring to the next step were made with (their step's
+        # SpecStepSample.k); a worker-side proposer's first drafts are chained with the initial lookahead
+        self.drafts_k = spec.num_speculative_tokens if spec is not None else 0
 
     def check_fits(self, num_prompt_tokens: int, what: str = "prompt") -> None:
         self.scheduler.check_fits(num_prompt_tokens, what)
@@ -196,10 +199,12 @@ class EngineCore:
 
     def _propose(self, sched_out: SchedulerOutput, produced, worker_drafts) -> SpecStepSample | None:
         """Drafts for every running request whose next step is a decode (speculation_applies), at most k
-        and no more than its max_tokens and the context leave room for. Adaptive: k for the next step from
-        the acceptance so far and the periods of the steps before this one (spec/adaptive.py); returns this
-        step's sample, observed when its period closes. A worker-side proposer's drafts came with the step
-        (`worker_drafts`); it is told k through the scheduler's lookahead."""
+        and no more than its max_tokens and the context leave room for. Adaptive: k from the acceptance so
+        far and the periods of the steps before this one (spec/adaptive.py); returns this step's sample,
+        observed when its period closes. A worker-side proposer's drafts came with the step
+        (`worker_drafts`), chained with the lookahead chosen a step earlier: they are used as chained, and
+        k goes to the scheduler's lookahead, for the drafts the worker chains next step (so k reaches the
+        step after next, and every step carries the drafts of the k it is recorded under)."""
         k = self.config.speculative.num_speculative_tokens
         sample = None
         for rid in sched_out.finished_request_ids:
@@ -208,8 +213,9 @@ class EngineCore:
             sample = self._observe_speculation(sched_out, produced)
             decoding = [r.num_tokens - 1 for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
             k = self.draft_length.choose(self.step_model, decoding)
+        self.drafts_k = sched_out.num_lookahead_tokens if self.proposer.on_worker else k
         for request in self.scheduler.running:
-            room = min(k, request.max_tokens - request.num_output_tokens - 1)
+            room = min(self.drafts_k, request.max_tokens - request.num_output_tokens - 1)
             if room <= 0 or request.num_computed_tokens != request.num_tokens - 1 \
                     or not speculation_applies(request.sampling_params, request.num_output_tokens):
                 request.spec_token_ids = []
@@ -223,9 +229,9 @@ class EngineCore:
         return sample
 
     def _observe_speculation(self, sched_out: SchedulerOutput, produced) -> SpecStepSample | None:
-        """Feed the adaptive draft length per request the accepted drafts; return the step's sample when
-        every request in it decoded with all the drafts it brought (a step with prefill chunks, or one whose
-        budget withheld drafts, says nothing about k)."""
+        """Feed the adaptive draft length per request the accepted drafts; return the step's sample (under
+        the draft length its drafts were made with) when every request in it decoded with all the drafts
+        it brought (a step with prefill chunks, or one whose budget withheld drafts, says nothing about k)."""
         self._observe_requests(sched_out)
         if sched_out.num_requests_drafts_withheld:
             return None
@@ -236,7 +242,7 @@ class EngineCore:
             decoding += 1
         if not decoding:
             return None
-        return SpecStepSample(self.draft_length.last_k, decoding, sum(len(ids) for _, ids in produced))
+        return SpecStepSample(self.drafts_k, decoding, sum(len(ids) for _, ids in produced))
 
     def _observe_requests(self, sched_out: SchedulerOutput) -> None:
         for sr in sched_out.scheduled:

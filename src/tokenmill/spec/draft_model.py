@@ -26,7 +26,7 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, config, target, platform) -> None:
-        super().__init__(platform.device)
+        super().__init__(platform.device, config.cache.enable_prefix_caching)
         spec = config.speculative
         self.num_layers = None                    # self-speculation: the target's first layers
         if spec.model in (None, "", "self"):
@@ -50,7 +50,7 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
-        self.forget(step.sched_out)
+        hold_nothing = self.holds_nothing_now(step.sched_out)
         batch = DraftBatch()
         for sr in step.sched_out.scheduled:
             sampled = step.sampled.get(sr.request_id)
@@ -61,16 +61,19 @@ class DraftModelDrafter(Drafter):
             drafts_now = bool(len(reachable) == len(feed) and sampled and step.k and
                               speculation_applies(sr.params, len(sr.output_token_ids) + len(sampled)))
             if reachable and self.num_layers is None:     # a cache of its own: rows may wait (spec/drafter.py)
-                taken = self.take_rows(sr.request_id, first, reachable, None, drafts_now)
+                taken = self.take_rows(sr.request_id, sr.block_ids, first, reachable, None, drafts_now or hold_nothing)
                 first, reachable = taken[:2] if taken is not None else (first, [])
             if reachable:
                 batch.add(sr, first, reachable, drafts_now)
+        if hold_nothing:
+            for rows in self.take_all_held():             # requests this step does not schedule
+                batch.add_held(rows)
         ids, positions, requests, tails = batch.ids, batch.positions, batch.requests, batch.tails
         if not tails:
-            if ids and self.num_layers is None:       # held rows that reached upkeep_chunk: fill its cache
-                self._logits(step, ids, positions, requests, [len(ids) - 1], skip_logits=True)
+            if ids and self.num_layers is None:       # held rows that must run now: fill its cache
+                self._logits(step.block_size, ids, positions, requests, [len(ids) - 1], skip_logits=True)
             return {}
-        tokens = self._logits(step, ids, positions, requests, [row for _, row, _ in tails])
+        tokens = self._logits(step.block_size, ids, positions, requests, [row for _, row, _ in tails])
         drafts = {sr.request_id: [t] for (sr, _, _), t in zip(tails, tokens)}
         live = [(sr, pos) for sr, _, pos in tails]
         for j in range(1, step.k):
@@ -79,11 +82,18 @@ class DraftModelDrafter(Drafter):
                 break
             feed = [drafts[sr.request_id][-1] for sr, _ in live]
             pos = [p + j for _, p in live]
-            tokens = self._logits(step, feed, pos, [(sr.block_ids, p, 1) for (sr, _), p in zip(live, pos)],
+            tokens = self._logits(step.block_size, feed, pos, [(sr.block_ids, p, 1) for (sr, _), p in zip(live, pos)],
                                   list(range(len(live))))
             for (sr, _), t in zip(live, tokens):
                 drafts[sr.request_id].append(t)
         return drafts
+
+    @torch.inference_mode()
+    def run_held(self, held, block_size: int) -> None:
+        batch = DraftBatch()
+        for rows in held:
+            batch.add_held(rows)
+        self._logits(block_size, batch.ids, batch.positions, batch.requests, [len(batch.ids) - 1], skip_logits=True)
 
     def _feed(self, sr, sampled: list[int] | None) -> tuple[list[int], int]:
         """(tokens the draft model reads this step, the position of the first): self-speculation reads only
@@ -97,9 +107,9 @@ class DraftModelDrafter(Drafter):
             return ([sampled[-1]], sr.start_position + len(own) + len(sampled) - 1) if sampled else ([], 0)
         return own + list(sampled or ()), sr.start_position
 
-    def _logits(self, step: DraftStep, ids, positions, requests, rows: list[int], skip_logits: bool = False):
+    def _logits(self, block_size: int, ids, positions, requests, rows: list[int], skip_logits: bool = False):
         """The draft model over `ids`; the greedy token of each of `rows`."""
-        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, step.block_size)
+        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, block_size)
         keep = torch.tensor(rows, dtype=torch.long, device=ids_t.device)
         if self.num_layers is not None:
             hidden = self.model.model(ids_t, pos_t, meta, keep, num_layers=self.num_layers)

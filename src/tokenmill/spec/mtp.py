@@ -9,7 +9,13 @@ run as one chunk). For a request that samples, the last row's
 logits give draft 1 (greedy: drafts are one-hot guesses, verified losslessly); drafts 2..k chain the
 layer on its own output at the next positions (the scheduler's lookahead slots). A train-mtp head drafts
 among its training text's most frequent tokens by default (spec/draft_vocab.py: a head of those rows, a
-sixth of the bytes at 8,192 tokens); speculative_config draft_vocab_size chooses how many (0: all)."""
+sixth of the bytes at 8,192 tokens); speculative_config draft_vocab_size chooses how many (0: all).
+
+Known gap (acceptance only): the entry at a cached block's last position p encodes t_{p+1}, which the
+block's hash does not cover. A request that hits the block reads the entry its computing request wrote,
+and if its own t_{p+1} differs (their prefixes part exactly at the block boundary) that entry is not its
+own; rewriting it would need the target's h_p, which a prefix hit does not compute, and could not suit two
+requests sharing the block at once."""
 from __future__ import annotations
 
 import json
@@ -40,7 +46,7 @@ class MTPDrafter(Drafter):
     def __init__(self, config, target, platform) -> None:
         from tokenmill.layers.quantize import quantize_model
         from tokenmill.platforms import building
-        super().__init__(platform.device)
+        super().__init__(platform.device, config.cache.enable_prefix_caching)
         self.target = target
         with building(platform, config.model.dtype):
             self.layer = build_mtp_layer(target).to(platform.device)
@@ -58,7 +64,7 @@ class MTPDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
-        self.forget(step.sched_out)
+        hold_nothing = self.holds_nothing_now(step.sched_out)
         batch, hidden = DraftBatch(), []
         for sr, row in zip(step.sched_out.scheduled, step.query_starts):
             nxt = _verified(sr, step.sampled.get(sr.request_id))
@@ -66,19 +72,31 @@ class MTPDrafter(Drafter):
                 continue
             drafts_now = bool(sr.request_id in step.sampled and step.k and speculation_applies(
                 sr.params, len(sr.output_token_ids) + len(step.sampled[sr.request_id])))
-            taken = self.take_rows(sr.request_id, sr.start_position, nxt, step.hidden[row:row + len(nxt)], drafts_now)
+            taken = self.take_rows(sr.request_id, sr.block_ids, sr.start_position, nxt,
+                                   step.hidden[row:row + len(nxt)], drafts_now or hold_nothing)
             if taken is None:
                 continue                      # held: they run with its next drafts or once enough wait
             start, run_ids, run_hidden = taken
             batch.add(sr, start, run_ids, drafts_now)
             hidden.append(run_hidden)
+        if hold_nothing:
+            for rows in self.take_all_held():             # requests this step does not schedule
+                batch.add_held(rows)
+                hidden.append(rows.hidden)
         if not batch.ids:
             return {}
-        hidden = self._run(step, batch.ids, batch.positions, torch.cat(hidden), batch.requests)
+        hidden = self._run(step.block_size, batch.ids, batch.positions, torch.cat(hidden), batch.requests)
         return self._chain(step, hidden, batch.tails) if batch.tails else {}
 
-    def _run(self, step: DraftStep, ids, positions, prev_hidden, requests) -> torch.Tensor:
-        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, step.block_size)
+    @torch.inference_mode()
+    def run_held(self, held, block_size: int) -> None:
+        batch = DraftBatch()
+        for rows in held:
+            batch.add_held(rows)
+        self._run(block_size, batch.ids, batch.positions, torch.cat([rows.hidden for rows in held]), batch.requests)
+
+    def _run(self, block_size: int, ids, positions, prev_hidden, requests) -> torch.Tensor:
+        ids_t, pos_t, meta = self.step_tensors(ids, positions, requests, block_size)
         model = self.target.model
         return self.layer.predict(model.embed_tokens, model.rotary.gather(pos_t), ids_t, pos_t, prev_hidden, meta)
 
@@ -103,7 +121,8 @@ class MTPDrafter(Drafter):
             h = h.index_select(0, torch.tensor(keep, device=h.device))
             ids = [drafts[sr.request_id][-1] for sr, _ in live]
             positions = [pos + j for _, pos in live]
-            h = self._run(step, ids, positions, h, [(sr.block_ids, p, 1) for (sr, _), p in zip(live, positions)])
+            requests = [(sr.block_ids, p, 1) for (sr, _), p in zip(live, positions)]
+            h = self._run(step.block_size, ids, positions, h, requests)
             for (sr, _), t in zip(live, self._draft(h)):
                 drafts[sr.request_id].append(t)
         return drafts

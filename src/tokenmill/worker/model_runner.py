@@ -145,9 +145,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """One step. If it raises, the random generators are as they were before it (a retry of part of
-        the step draws the same numbers)."""
+        the step draws the same numbers). A step that schedules nothing still ends the finished and
+        preempted requests' state here and in the drafter."""
         for rid in sched_out.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.drafter is not None:
+            self.drafter.begin_step(sched_out, self.block_size)
         if sched_out.is_empty:
             return RunnerOutput({})
         saved = self._save_generators(sched_out)
