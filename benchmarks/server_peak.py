@@ -6,8 +6,9 @@ queries at t = 0: the system's Offline tok/s over the same client; --offline-run
 and `tokenmill bench find-peak --url` (Poisson arrivals, the profile's p99 TTFT / TPOT limits), stop the
 server. Prints one table with each system's Offline tok/s, peak QPS, completed tok/s there, Server/Offline,
 the step-time bound where the server reports its model, and the peak QPS as a ratio of the other systems'.
-With --rounds N the systems alternate N times and medians are reported. Reports (JSON, Markdown, PNG) land
-under --out-dir.
+With --rounds N the systems alternate N times and each row reports the round at the lower median of its QPS
+(a round that found none counts below every QPS; the row says how many rounds found one). A peak that no
+second run confirmed is marked *. Reports (JSON, Markdown, PNG) land under --out-dir.
 
     python benchmarks/server_peak.py [--systems slo,fcfs,llama-server] [--profile llama3.1-8b]
         [--quantization int4] [--min-duration-s 60] [--rounds 1] [--confirm-duration-s 600]
@@ -17,7 +18,7 @@ under --out-dir.
 
 The runs are of development length unless --min-duration-s 600 (MLPerf's); say which in any note. With
 --confirm-duration-s 600 each system then holds its development-length peak for MLPerf's 600 s, backing off
-until a run meets both limits, and a second table reports the QPS held at that length.
+until a run is VALID (both limits and early stopping), and a second table reports the QPS held at that length.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", type=float, default=0.05)
     p.add_argument("--confirm-duration-s", type=float, default=0.0,
                    help="after the search, hold its peak for this long (600: MLPerf's length) in one Server run; "
-                        "if that run misses a limit, back off by --confirm-backoff and run again, up to "
+                        "if that run is not VALID, back off by --confirm-backoff and run again, up to "
                         "--confirm-tries runs (0: no such runs)")
     p.add_argument("--confirm-backoff", type=float, default=0.9,
                    help="QPS factor between confirming runs (lower still when the failed run served less)")
@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
                    help="comma list, one per system: hold from this QPS without a search (the peak columns stay "
                         "empty); an empty item searches as usual (6.5,: the first system holds from 6.5 QPS)")
     p.add_argument("--confirm-tries", type=int, default=2, help="at most this many held runs per system")
-    p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (medians)")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (median rounds)")
     p.add_argument("--speculative-config", default=None, help="JSON: the speculation of the +spec systems")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER",
                    "/tmp/tokenmill-peers/lcpp/build/bin/llama-server"))
@@ -190,11 +190,21 @@ def bench(args, url: str, command: str, name: str, extra: list[str]) -> dict:
                        "--name", name, "--no-progress"] + extra
     if args.dataset == "cnndm":
         cmd += ["--dataset-path", args.dataset_path]
-    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
-    path = Path(args.out_dir) / f"{name}.json"
-    if not path.exists():
-        raise RuntimeError(f"`tokenmill bench {command}` wrote no report ({path})")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path, log_path = out / f"{name}.json", out / f"{name}_stderr.log"
+    path.unlink(missing_ok=True)        # a report read below is this invocation's, never an earlier one's
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=log)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"`tokenmill bench {command}` exited with status {proc.returncode} and "
+                           f"{'wrote' if path.exists() else 'wrote no'} report {path}; the end of its stderr "
+                           f"({log_path}):\n{stderr_tail(log_path)}")
     return json.loads(path.read_text())
+
+
+def stderr_tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def measure(args, system: System, port: int, round_no: int, hold_from: float | None = None) -> dict:
@@ -219,21 +229,30 @@ def measure(args, system: System, port: int, round_no: int, hold_from: float | N
         stop(proc)
         log.close()
     offline_runs_tps = [o["runs"][0]["metrics"]["tokens_per_s"] for o in offline]
-    summary = peak["summary"]
-    run = peak["runs"][0]["metrics"] if summary.get("peak_qps") else {}
-    bound = (summary.get("step_time_bound") or {}).get("tokens_per_s")
-    return {"offline_tps": max(offline_runs_tps), "offline_runs_tps": offline_runs_tps,
-            "peak_qps": summary.get("peak_qps"), "server_tps": run.get("completed_tokens_per_s"),
-            "ttft_p99": run.get("ttft_ms", {}).get("p99"), "tpot_p99": run.get("tpot_ms", {}).get("p99"),
-            "bound_tps": bound, **held}
+    return {"offline_tps": max(offline_runs_tps), "offline_runs_tps": offline_runs_tps, **peak_figures(peak),
+            **held}
+
+
+def peak_figures(report: dict) -> dict:
+    """The figures of a find-peak report's peak run. peak_confirmed False: the peak is the search's best
+    passing run, not confirmed by a second run (an optimistic figure); None: no peak."""
+    summary = report["summary"]
+    run = report["runs"][0]["metrics"] if summary.get("peak_qps") else {}
+    return {"peak_qps": summary.get("peak_qps"),
+            "peak_confirmed": summary.get("peak_confirmed") if summary.get("peak_qps") else None,
+            "peak_failed_confirmations": summary.get("failed_confirmations", []),
+            "server_tps": run.get("completed_tokens_per_s"), "ttft_p99": run.get("ttft_ms", {}).get("p99"),
+            "tpot_p99": run.get("tpot_ms", {}).get("p99"),
+            "bound_tps": (summary.get("step_time_bound") or {}).get("tokens_per_s")}
 
 
 def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
-    """Server runs of --confirm-duration-s from the search's peak down until one meets both limits (p99 TTFT and
-    TPOT, no failed request), at most --confirm-tries runs. Each next QPS is the last one times --confirm-backoff,
-    or 0.95 x the request rate the failed run completed if that is lower (a load above what the server completes
-    only queues up, however long it runs). Returns the held run's figures under held_* keys (held_qps None when
-    none held) and every run's in held_runs."""
+    """Server runs of --confirm-duration-s from the search's peak down until one is VALID, at most
+    --confirm-tries runs. VALID, not just the limits: its early stopping must hold too (at 1.2 QPS a 600 s
+    run's ~720 queries meet a nearest-rank p99 with up to 7 over the limit; early stopping allows 1). Each
+    next QPS is the last one times --confirm-backoff, or 0.95 x the request rate the failed run completed if
+    that is lower (a load above what the server completes only queues up, however long it runs). Returns the
+    held run's figures under held_* keys (held_qps None when none held) and every run's in held_runs."""
     runs, held, target = [], None, qps
     for i in range(args.confirm_tries if qps else 0):
         report = bench(args, url, "server", f"{stem}_hold{i + 1}",
@@ -247,7 +266,7 @@ def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
                "bound_tps": (report["summary"].get("step_time_bound") or {}).get("tokens_per_s")}
         runs.append(row)
         print(f"    hold {target:.3f} QPS for {args.confirm_duration_s:g} s: {row}", file=sys.stderr, flush=True)
-        if verdict.get("perf_constraints_met") and not m.get("num_failed"):
+        if verdict.get("label") == "VALID":
             held = row
             break
         per_request = (m.get("total_output_tokens") or 0) / max(m.get("num_completed") or 0, 1)
@@ -258,39 +277,95 @@ def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
             "held_bound_tps": held and held["bound_tps"], "held_runs": runs}
 
 
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def fmt(v, d=1) -> str:
     return "-" if v is None else f"{v:.{d}f}"
 
 
-PER_RUN_KEYS = ("held_runs", "offline_runs_tps")   # a measurement's lists: kept per round, no medians
-# The figures of a table's rows: the search's peak run, or the run that held for --confirm-duration-s.
-PEAK_KEYS = {"qps": "peak_qps", "tps": "server_tps", "ttft": "ttft_p99", "tpot": "tpot_p99", "bound": "bound_tps"}
+# The figures of a table's rows: the search's peak run, or the run that held for --confirm-duration-s (a held
+# run is VALID, so it needs no confirmation flag).
+PEAK_KEYS = {"qps": "peak_qps", "confirmed": "peak_confirmed", "tps": "server_tps", "ttft": "ttft_p99",
+             "tpot": "tpot_p99", "bound": "bound_tps"}
 HELD_KEYS = {"qps": "held_qps", "tps": "held_tps", "ttft": "held_ttft_p99", "tpot": "held_tpot_p99",
              "bound": "held_bound_tps"}
 
 
-def print_table(med: dict, best: float | None, keys: dict, what: str, with_offline: bool) -> None:
-    """One row per system: its QPS (`what`: peak or held), Server tok/s against the best Offline and the
-    step-time bound, p99s, and its QPS as a ratio of each other system's."""
-    names = list(med)
-    print(f"| system | {'Offline tok/s | ' if with_offline else ''}{what} QPS | Server tok/s | Server/best Offline | "
-          "p99 TTFT ms | p99 TPOT ms | bound tok/s | Server/bound | "
+def median_round(values: list) -> int:
+    """Index of the round at the lower median of `values`, a round without a value (None) ranking below
+    every value: [None, None, 1.2] picks a round without one. The lower median is a figure one round
+    measured, never the mean of two."""
+    order = sorted(range(len(values)), key=lambda i: (values[i] is not None, values[i] or 0.0))
+    return order[(len(values) - 1) // 2]
+
+
+def table_row(rounds: list[dict], keys: dict) -> dict:
+    """A system's row of one table: every figure from a single round, the one at the median QPS, with that
+    round's number and how many rounds reached a QPS at all."""
+    qps = [r.get(keys["qps"]) for r in rounds]
+    i = median_round(qps)
+    return {**{k: rounds[i].get(v) for k, v in keys.items()}, "round": i + 1, "rounds": len(rounds),
+            "rounds_with_qps": sum(q is not None for q in qps)}
+
+
+def system_rows(rounds: list[dict]) -> dict:
+    """A system's rows: its median round's Offline tok/s, and its peak and held rows (each from its own
+    median round)."""
+    offline = [r["offline_tps"] for r in rounds]
+    return {"offline_tps": offline[median_round(offline)], "peak": table_row(rounds, PEAK_KEYS),
+            "held": table_row(rounds, HELD_KEYS)}
+
+
+def qps_cell(row: dict) -> str:
+    """The row's QPS; '*' marks a peak no second run confirmed."""
+    return fmt(row["qps"], 3) + ("*" if row.get("confirmed") is False else "")
+
+
+def print_table(rows: dict, best: float | None, what: str, with_offline: bool) -> None:
+    """One row per system: its QPS (`what`: peak or held) and the round it comes from, Server tok/s against
+    the best Offline and the step-time bound, p99s, and its QPS as a ratio of each other system's."""
+    names = list(rows)
+    counted = "rounds with a peak" if what == "peak" else "rounds that held"
+    print(f"| system | {'Offline tok/s | ' if with_offline else ''}{what} QPS | from round | {counted} | "
+          "Server tok/s | Server/best Offline | p99 TTFT ms | p99 TPOT ms | bound tok/s | Server/bound | "
           + " | ".join(f"{what} vs {n}" for n in names) + " |")
-    print("|" + "---|" * (8 + with_offline + len(names)))
-    for n, m in med.items():
-        qps, tps, bound = m[keys["qps"]], m[keys["tps"]], m[keys["bound"]]
-        offline = best if n.startswith("tokenmill") else m["offline_tps"]
+    print("|" + "---|" * (10 + with_offline + len(names)))
+    for n, system in rows.items():
+        m = system[what]
+        qps, tps, bound = m["qps"], m["tps"], m["bound"]
+        offline = best if n.startswith("tokenmill") else system["offline_tps"]
         ratio = tps / offline if tps and offline else None
         to_bound = tps / bound if tps and bound else None
-        vs = [fmt(qps / med[o][keys["qps"]], 3) if qps and med[o][keys["qps"]] else "-" for o in names]
-        print(f"| {n} | {fmt(m['offline_tps']) + ' | ' if with_offline else ''}{fmt(qps, 3)} | {fmt(tps)} | "
-              f"{fmt(ratio and 100 * ratio)}% | {fmt(m[keys['ttft']], 0)} | {fmt(m[keys['tpot']], 1)} | "
-              f"{fmt(bound)} | {fmt(to_bound and 100 * to_bound)}% | " + " | ".join(vs) + " |")
+        vs = [fmt(qps / rows[o][what]["qps"], 3) if qps and rows[o][what]["qps"] else "-" for o in names]
+        print(f"| {n} | {fmt(system['offline_tps']) + ' | ' if with_offline else ''}{qps_cell(m)} | {m['round']} | "
+              f"{m['rounds_with_qps']} of {m['rounds']} | {fmt(tps)} | {fmt(ratio and 100 * ratio)}% | "
+              f"{fmt(m['ttft'], 0)} | {fmt(m['tpot'], 1)} | {fmt(bound)} | {fmt(to_bound and 100 * to_bound)}% | "
+              + " | ".join(vs) + " |")
+    if any(system[what].get("confirmed") is False for system in rows.values()):
+        print("\n* not confirmed: the search's best passing run (every confirming run missed the limits, or "
+              "none was left to confirm it), an optimistic figure")
+
+
+def report(args, results: dict[str, list[dict]]) -> dict:
+    """Print the tables of every system's rounds and write server_peak.json; returns the rows."""
+    rows = {name: system_rows(rounds) for name, rounds in results.items() if rounds}
+    length = "MLPerf length" if args.min_duration_s >= 600 else f"development length ({args.min_duration_s:g} s runs)"
+    print(f"\nprofile {args.profile}, {args.dataset} {args.prompt_len}->{args.output_len}, tokenmill quantization "
+          f"{args.quantization}, {length}, {args.rounds} round(s): each row's figures come from one round, the "
+          "one at the lower median of its QPS (a round without a QPS ranks below every QPS); Offline tok/s: "
+          "the lower median of the rounds'\n")
+    # The Server/Offline ratio is taken against tokenmill's best Offline (an SLO server's Offline is held to
+    # its TPOT target; the ratio must not use an Offline lowered to flatter it); a peer against its own.
+    best = max((m["offline_tps"] or 0 for n, m in rows.items() if n.startswith("tokenmill")), default=0) or None
+    if best:
+        print(f"best tokenmill Offline: {fmt(best)} tok/s\n")
+    print_table(rows, best, "peak", with_offline=True)
+    if args.confirm_duration_s:
+        d = args.confirm_duration_s
+        print(f"\nheld (a VALID run) for {d:g} s ({'MLPerf length' if d >= 600 else 'development length'}):\n")
+        print_table(rows, best, "held", with_offline=False)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / "server_peak.json").write_text(json.dumps({"args": vars(args), "rounds": results,
+                                                                      "rows": rows}, indent=2))
+    return rows
 
 
 def main() -> None:
@@ -307,24 +382,7 @@ def main() -> None:
             print(f"round {r + 1}: {s.name} ...", file=sys.stderr, flush=True)
             results[s.name].append(measure(args, s, port, r + 1, start))
             print(f"  {results[s.name][-1]}", file=sys.stderr, flush=True)
-    med = {name: {k: median([x[k] for x in rows]) for k in rows[0] if k not in PER_RUN_KEYS}
-           for name, rows in results.items() if rows}
-    length = "MLPerf length" if args.min_duration_s >= 600 else f"development length ({args.min_duration_s:g} s runs)"
-    print(f"\nprofile {args.profile}, {args.dataset} {args.prompt_len}->{args.output_len}, tokenmill quantization "
-          f"{args.quantization}, {length}, medians of {args.rounds}\n")
-    # The Server/Offline ratio is taken against tokenmill's best Offline (an SLO server's Offline is held to
-    # its TPOT target; the ratio must not use an Offline lowered to flatter it); a peer against its own.
-    best = max((m["offline_tps"] or 0 for n, m in med.items() if n.startswith("tokenmill")), default=0) or None
-    if best:
-        print(f"best tokenmill Offline: {fmt(best)} tok/s\n")
-    print_table(med, best, PEAK_KEYS, "peak", with_offline=True)
-    if args.confirm_duration_s:
-        d = args.confirm_duration_s
-        print(f"\nheld for {d:g} s ({'MLPerf length' if d >= 600 else 'development length'}):\n")
-        print_table(med, best, HELD_KEYS, "held", with_offline=False)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.out_dir) / "server_peak.json").write_text(json.dumps({"args": vars(args), "rounds": results,
-                                                                      "medians": med}, indent=2))
+    report(args, results)
 
 
 if __name__ == "__main__":

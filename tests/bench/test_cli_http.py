@@ -25,6 +25,8 @@ def test_server_with_offline_writes_all_outputs(server, tmp_path, capsys):
     assert "Completed tokens per second" in out and "Result is : INVALID" in out   # early stopping: too few
     data = json.loads((tmp_path / "server.json").read_text())
     assert [r["scenario"] for r in data["runs"]] == ["Offline", "Server"]
+    # --min-query-count sets Server's minimum; Offline keeps MLPerf's
+    assert "too few queries: 8 < minimum 13368" in data["runs"][0]["verdict"]["reasons"]
     assert data["summary"]["server_offline_ratio"] is not None
     server_run = data["runs"][1]
     assert server_run["metrics"]["num_failed"] == 0 and server_run["metrics"]["num_issued"] >= 6
@@ -47,7 +49,11 @@ def test_find_peak_over_http(server, tmp_path):
                  "--max-query-count", "8", "--profile", "custom", "--ttft-ms", "1000", "--tpot-ms", "100",
                  "--out-dir", str(tmp_path), *COMMON]) == 0
     data = json.loads((tmp_path / "find_peak.json").read_text())
-    assert len(data["summary"]["runs"]) == 3          # base, widen, widen (capped)
+    runs = data["summary"]["runs"]
+    # the widening run at 40 QPS ends its 8 queries before the 0.3 s minimum: a fail, then the run cap
+    assert [(r["phase"], r["meets_limits"]) for r in runs] == [("base", True), ("widen", False), ("bisect", True)]
+    assert runs[1]["misses"][0].startswith("too short")
+    assert data["summary"]["peak_qps"] == 30 and data["summary"]["peak_confirmed"] is False
     assert "find-peak" in (tmp_path / "find_peak.md").read_text()
 
 

@@ -89,6 +89,74 @@ def test_time_budget_stops_new_runs():
     assert res.rows == [] and res.peak_qps is None and res.stopped_by_max_runs
 
 
+class QueueSession:
+    """A server completing `capacity` queries/s first come first served: TTFT is the wait in its queue plus
+    10 ms, TPOT 10 ms. Queries arrive on the scenario's own schedule, its query cap included."""
+
+    def __init__(self, profile, capacity):
+        self.profile, self.capacity = profile, capacity
+
+    async def run(self, scenario, label=None, prefix="q"):
+        free_at, recs = 0.0, []
+        for i, t in enumerate(scenario.arrival_times()):
+            first = max(t, free_at) + 0.01
+            free_at = max(t, free_at) + 1.0 / self.capacity
+            recs.append(RequestRecord(f"{prefix}-{i}", 0, t, sent_s=t, first_token_s=first,
+                                      completed_s=first + 0.1, num_output_tokens=11))
+        result = RunResult("Server", recs, compute_metrics(recs), target_qps=scenario.target_qps)
+        return Outcome(label or "Server", result, judge(result, self.profile))
+
+
+def test_a_run_cut_short_by_the_query_cap_is_not_a_pass():
+    """8 queries are 2 s of work for a 4 QPS server: as a burst, any QPS meets a 2 s p99 TTFT. A run passes
+    only when its 8 queries span the 4 s minimum duration, which keeps the peak under the server's rate."""
+    profile = get_profile("custom", ttft_ms=2000, tpot_ms=100).with_dev_length(4.0, 4)
+    cfg = PeakSearchConfig(1.0, precision=0.1, max_runs=10, min_duration_s=4.0, min_query_count=4, max_query_count=8)
+    res = asyncio.run(find_peak(QueueSession(profile, capacity=4.0), cfg))
+    assert res.peak_qps is not None and res.peak_qps < 4.0
+    for o, row in zip(res.runs, res.rows):
+        assert row["meets_limits"] == (o.verdict.min_duration_met and bool(o.verdict.perf_constraints_met))
+    short = [row for o, row in zip(res.runs, res.rows) if not o.verdict.min_duration_met]
+    assert short and all(r["ttft_p99_ms"] < 2000 for r in short)          # within the limits, yet no pass
+    assert all(any(m.startswith("too short") for m in r["misses"]) for r in short)
+    assert "| no (too short" in "\n".join(_sections(res))
+    # early stopping is not part of the search's pass: a p99 over a few queries cannot satisfy it
+    assert res.peak.verdict.label == "INVALID" and res.peak.verdict.early_stopping_met is False
+
+
+def test_a_run_with_fewer_queries_than_its_minimum_is_not_a_pass():
+    from tokenmill.bench.find_peak import meets_limits
+    profile = get_profile("custom", ttft_ms=2000, tpot_ms=100).with_dev_length(0.0, 6)
+    o = asyncio.run(QueueSession(profile, capacity=100.0).run(_capped_scenario(5)))
+    assert o.verdict.perf_constraints_met and o.result.metrics.num_issued == 5
+    assert not meets_limits(o)
+
+
+def _capped_scenario(n):
+    from tokenmill.bench.scenarios import ServerScenario
+    return ServerScenario(10.0, 0.0, 6, max_query_count=n)
+
+
+def test_a_failing_start_bounds_the_search_and_no_qps_runs_twice_before_confirmation():
+    s = FakeSession()                                         # true peak 2.5
+    res = asyncio.run(find_peak(s, PeakSearchConfig(4.0, precision=0.05, max_runs=20)))
+    searched = [r["target_qps"] for r in res.rows if r["phase"] != "confirm"]
+    assert searched[:2] == [4.0, 2.0] and len(set(searched)) == len(searched)
+    assert all(q < 4.0 for q in searched[1:])                 # nothing at or above the known fail
+    assert res.confirmed and 2.5 * 0.95 <= res.peak_qps <= 2.5
+
+
+def test_the_summary_says_whether_the_peak_was_confirmed():
+    from tokenmill.bench.workflows import peak_summary
+    confirmed = asyncio.run(find_peak(FakeSession(), PeakSearchConfig(0.5, precision=0.05, max_runs=20)))
+    assert peak_summary(confirmed, None)["peak_confirmed"] is True
+    n = len(confirmed.runs)
+    missed = asyncio.run(find_peak(FakeSession(flaky_at=n), PeakSearchConfig(0.5, precision=0.05, max_runs=n)))
+    summary = peak_summary(missed, None)
+    assert summary["peak_qps"] is not None and summary["peak_confirmed"] is False
+    assert summary["failed_confirmations"] == [missed.rows[-1]["target_qps"]]
+
+
 def test_pareto_frontier():
     pts = [{"concurrency": c, "per_user_tokens_per_s": x, "tokens_per_s": y}
            for c, x, y in [(1, 50, 50), (2, 45, 90), (4, 30, 80), (8, 20, 160), (16, 10, 150)]]

@@ -1,13 +1,15 @@
 """HTTP SUT and runner against the in-test fake OpenAI streaming server."""
 import asyncio
+import json
+import time
 from dataclasses import replace
 
 import pytest
 
 from tokenmill.bench.fake_openai import FakeOpenAIServer, FakeServerConfig
-from tokenmill.bench.metrics import Limits
+from tokenmill.bench.metrics import Limits, compute_metrics
 from tokenmill.bench.profiles import get_profile
-from tokenmill.bench.records import Sample
+from tokenmill.bench.records import RequestRecord, Sample
 from tokenmill.bench.runner import run_scenario_async, with_sut
 from tokenmill.bench.scenarios import ConcurrencyScenario, OfflineScenario, ServerScenario
 from tokenmill.bench.sut.http import HttpConfig, HttpSUT
@@ -100,3 +102,47 @@ def test_unreachable_url_model_discovery_is_a_clear_error():
 def test_request_timeout_is_recorded():
     res, _ = run(FakeServerConfig(ttft_s=1.0), OfflineScenario(2), samples(2), timeout_s=0.2)
     assert res.metrics.num_failed == 2 and "timed out" in res.records[0].error
+
+
+class CannedStreamSUT(HttpSUT):
+    """An HttpSUT whose responses are the given server-sent-event lines."""
+
+    def __init__(self, lines):
+        super().__init__(HttpConfig("http://127.0.0.1:9", model="m"))
+        self.canned = lines
+
+    async def _lines(self, body):
+        for line in self.canned:
+            yield line
+
+
+def _events(tokens: int, finish_reason: str) -> list[bytes]:
+    chunks = [{"choices": [{"text": "tok ", "finish_reason": None}]} for _ in range(tokens)]
+    chunks.append({"choices": [{"text": "", "finish_reason": finish_reason}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": tokens}})
+    return [b"data: " + json.dumps(c).encode() for c in chunks] + [b"data: [DONE]"]
+
+
+def _streamed(tokens, finish_reason, min_output_tokens):
+    sample = Sample(0, (101,), 1, 5, min_output_tokens=min_output_tokens)
+    record = RequestRecord("r0", 0, 0.0)
+    asyncio.run(CannedStreamSUT(_events(tokens, finish_reason)).process(sample, record, time.perf_counter))
+    return record
+
+
+@pytest.mark.parametrize("tokens, finish_reason, min_tokens, error", [
+    (2, "abort", 1, "finish_reason 'abort'"),         # the server shut down mid-request
+    (5, "error", 0, "finish_reason 'error'"),
+    (2, "stop", 5, "output truncated"),              # min_tokens 5 asked, 2 delivered
+    (0, "length", 1, "output truncated"),
+])
+def test_an_aborted_or_truncated_stream_is_a_failed_request(tokens, finish_reason, min_tokens, error):
+    record = _streamed(tokens, finish_reason, min_tokens)
+    assert not record.ok and error in record.error
+    assert compute_metrics([record]).num_failed == 1
+
+
+@pytest.mark.parametrize("tokens, finish_reason, min_tokens", [(2, "stop", 1), (5, "length", 5), (3, "stop", 0)])
+def test_an_output_ended_by_eos_above_its_minimum_is_ok(tokens, finish_reason, min_tokens):
+    record = _streamed(tokens, finish_reason, min_tokens)     # cnndm: min 1, EOS may end it anywhere
+    assert record.ok and record.num_output_tokens == tokens

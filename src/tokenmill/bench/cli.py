@@ -11,7 +11,7 @@ import asyncio
 import sys
 import time
 
-from tokenmill.bench.profiles import DEFAULT_PROFILE, PROFILES, apply_conf, get_profile
+from tokenmill.bench.profiles import DEFAULT_PROFILE, PROFILES, Profile, apply_conf, get_profile
 from tokenmill.bench.session import BenchConfig
 
 SCENARIO_OF = {"offline": "Offline", "server": "Server", "find-peak": "Server", "sweep": "Server"}
@@ -41,7 +41,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--min-duration-s", type=float, default=None,
                    help="minimum run duration, s (default: the profile's, MLPerf's 600 s); shorter marks the run "
                         "as a development run, not of submission length")
-    r.add_argument("--min-query-count", type=int, default=None, help="minimum queries (development setting)")
+    r.add_argument("--min-query-count", type=int, default=None,
+                   help="minimum queries of the command's own runs (offline: Offline's, MLPerf 13,368; otherwise "
+                        "Server's, 100); fewer marks them as development runs")
     r.add_argument("--temperature", type=float, default=None, help="default: greedy (MLPerf)")
     r.add_argument("--request-timeout-s", type=float, default=None)
     o = p.add_argument_group("output and efficiency")
@@ -74,6 +76,9 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--max-query-count", type=int, default=None)
     p.add_argument("--driver", default="native", choices=["native", "loadgen"])
     p.add_argument("--with-offline", action="store_true", help="also run Offline and report Server/Offline")
+    p.add_argument("--offline-min-query-count", type=int, default=None,
+                   help="with --with-offline: Offline's minimum queries (default: the profile's, MLPerf's 13,368; "
+                        "--min-query-count sets Server's only)")
     p.set_defaults(func=cmd_server)
     p = sub.add_parser("find-peak", help="highest target QPS meeting the limits (binary search + confirmation)")
     _add_common(p)
@@ -93,10 +98,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     profile = get_profile(ns.profile, ns.ttft_ms, ns.tpot_ms)
     if ns.mlperf_conf:
         profile = apply_conf(profile, ns.mlperf_conf, SCENARIO_OF.get(getattr(ns, "bench_command", None), "Server"))
-    if ns.min_duration_s is not None or ns.min_query_count is not None:
-        profile = profile.with_dev_length(
-            profile.min_duration_s if ns.min_duration_s is None else ns.min_duration_s,
-            ns.min_query_count if ns.min_query_count is not None else profile.server_min_query_count)
+    profile = _with_length_options(profile, ns)
     engine_args = None
     if not ns.url:
         from tokenmill.config import EngineArgs
@@ -108,6 +110,21 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
                        seed=ns.seed, request_timeout_s=ns.request_timeout_s, progress=ns.progress,
                        mem_bandwidth_gbs=ns.mem_bandwidth_gbs, usd_per_hour=ns.usd_per_hour,
                        weights_bytes=ns.weights_bytes, kv_bytes_per_token=ns.kv_bytes_per_token)
+
+
+def _with_length_options(profile: Profile, ns: argparse.Namespace) -> Profile:
+    """--min-duration-s for every run; --min-query-count for the command's own scenario only (Offline's for
+    `offline`, else Server's); Offline's under `server --with-offline` only from --offline-min-query-count.
+    A minimum not given stays the profile's (MLPerf's unless --mlperf-conf changed it)."""
+    duration = profile.min_duration_s if ns.min_duration_s is None else ns.min_duration_s
+    server, offline = profile.server_min_query_count, profile.offline_min_query_count
+    if SCENARIO_OF.get(getattr(ns, "bench_command", None)) == "Offline":
+        offline = offline if ns.min_query_count is None else ns.min_query_count
+    else:
+        server = server if ns.min_query_count is None else ns.min_query_count
+        offline_given = getattr(ns, "offline_min_query_count", None)
+        offline = offline if offline_given is None else offline_given
+    return profile.with_dev_length(duration, server, offline)
 
 
 def _guard(body):

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-SUBMISSION_MIN_DURATION_S = 600.0   # MLPerf's minimum per scenario
+SUBMISSION_MIN_DURATION_S = 600.0           # MLPerf's minimum per scenario
+SUBMISSION_SERVER_MIN_QUERY_COUNT = 100      # LoadGen's TestSettings default for Server
+SUBMISSION_OFFLINE_MIN_QUERY_COUNT = 13368   # llama3_1-8b.Offline.min_query_count (the dataset size)
+
+
+def submission_min_query_count(scenario: str) -> int:
+    return SUBMISSION_OFFLINE_MIN_QUERY_COUNT if scenario == "Offline" else SUBMISSION_SERVER_MIN_QUERY_COUNT
 
 
 @dataclass(frozen=True)
@@ -23,17 +29,36 @@ class Profile:
     greedy: bool = True
     prefix_caching: bool = False          # MLPerf: no KV reuse across queries
     min_duration_s: float = SUBMISSION_MIN_DURATION_S
-    server_min_query_count: int = 100     # LoadGen's TestSettings default for Server
-    offline_min_query_count: int = 13368  # llama3_1-8b.Offline.min_query_count (the dataset size)
+    server_min_query_count: int = SUBMISSION_SERVER_MIN_QUERY_COUNT
+    offline_min_query_count: int = SUBMISSION_OFFLINE_MIN_QUERY_COUNT
 
     @property
     def submission_length(self) -> bool:
-        return self.min_duration_s >= SUBMISSION_MIN_DURATION_S
+        """Every minimum (duration, Server and Offline query counts) at least MLPerf's."""
+        return not self.length_shortfalls("Server") and not self.length_shortfalls("Offline")
 
-    def with_dev_length(self, min_duration_s: float, min_query_count: int) -> "Profile":
-        """A shorter development setting; reports flag any profile below 600 s as not submission length."""
+    def length_shortfalls(self, scenario: str) -> list[str]:
+        """Each minimum a `scenario` run is held to that is below MLPerf's (empty: of submission length)."""
+        out = []
+        if self.min_duration_s < SUBMISSION_MIN_DURATION_S:
+            out.append(f"minimum duration {self.min_duration_s:g} s is below MLPerf's {SUBMISSION_MIN_DURATION_S:g} s")
+        count, mlperf = self.min_query_count(scenario), submission_min_query_count(scenario)
+        if count < mlperf:
+            out.append(f"minimum query count {count} is below MLPerf's {mlperf} for {scenario}")
+        return out
+
+    def min_query_count(self, scenario: str) -> int:
+        """The minimum queries a `scenario` run must issue (Concurrency runs follow Server's)."""
+        return self.offline_min_query_count if scenario == "Offline" else self.server_min_query_count
+
+    def with_dev_length(self, min_duration_s: float, min_query_count: int,
+                        offline_min_query_count: int | None = None) -> "Profile":
+        """A shorter development setting: `min_query_count` is the Server (and concurrency) runs' minimum;
+        Offline keeps its own unless `offline_min_query_count` is given. Reports flag a profile with any
+        minimum below MLPerf's as not of submission length."""
+        offline = self.offline_min_query_count if offline_min_query_count is None else offline_min_query_count
         return replace(self, min_duration_s=min_duration_s, server_min_query_count=min_query_count,
-                       offline_min_query_count=min_query_count)
+                       offline_min_query_count=offline)
 
 
 PROFILES: dict[str, Profile] = {

@@ -166,10 +166,8 @@ def write_report(out_dir: str | Path, stem: str, title: str, profile: Profile, o
     out.mkdir(parents=True, exist_ok=True)
     md = [f"# {title}", "", f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
     if not profile.submission_length:
-        md += [f"> **Not of submission length.** Minimum run duration here is {profile.min_duration_s:g} s "
-               f"(MLPerf requires 600 s per scenario) and the minimum query count is "
-               f"{profile.server_min_query_count} (Server) / {profile.offline_min_query_count} (Offline). "
-               f"These are development figures.", ""]
+        shortfalls = dict.fromkeys(profile.length_shortfalls("Server") + profile.length_shortfalls("Offline"))
+        md += [f"> **Not of submission length:** {'; '.join(shortfalls)}. These are development figures.", ""]
     md += sections or []
     md += ["| run | verdict | tokens/s | goodput tokens/s | SLO attainment | p99 TTFT ms | p99 TPOT ms | failed |",
            "|---|---|---|---|---|---|---|---|"]

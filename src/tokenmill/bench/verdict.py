@@ -3,7 +3,8 @@
 Server (and the closed-loop concurrency runs): p99 TTFT and p99 TPOT within the limits, minimum
 duration (the last query's scheduled time), minimum query count, early stopping for both TTFT and
 TPOT. Offline: minimum duration (the max latency) and minimum sample count. Any failed request
-(error, dropped stream, timeout) makes a run INVALID.
+(error, dropped stream, timeout) makes a run INVALID. A note says when a run is not of submission length:
+a minimum it was held to below MLPerf's (600 s; 100 Server, 13,368 Offline queries), or a run short of them.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from tokenmill.bench.early_stopping import EarlyStoppingResult, server_early_stopping
 from tokenmill.bench.metrics import percentile
-from tokenmill.bench.profiles import SUBMISSION_MIN_DURATION_S, Profile
+from tokenmill.bench.profiles import SUBMISSION_MIN_DURATION_S, Profile, submission_min_query_count
 from tokenmill.bench.runner import RunResult
 
 
@@ -57,6 +58,18 @@ def _latency_checks(result: RunResult, profile: Profile) -> tuple[list[str], boo
     return reasons, (all(checks) if checks else None), es
 
 
+def _length_notes(scenario: str, profile: Profile, duration_s: float, issued: int) -> list[str]:
+    """Why a run is not of submission length: each minimum it was held to that is below MLPerf's, and where
+    a minimum was MLPerf's, a run that still fell short of it (that run is also INVALID)."""
+    why = profile.length_shortfalls(scenario)
+    if profile.min_duration_s >= SUBMISSION_MIN_DURATION_S > duration_s:
+        why.append(f"the run lasted {duration_s:.1f} s, under MLPerf's {SUBMISSION_MIN_DURATION_S:g} s")
+    mlperf_count = submission_min_query_count(scenario)
+    if profile.min_query_count(scenario) >= mlperf_count > issued:
+        why.append(f"the run issued {issued} queries, under MLPerf's {mlperf_count} for {scenario}")
+    return [f"NOT of submission length: {'; '.join(why)}"] if why else []
+
+
 def judge(result: RunResult, profile: Profile) -> Verdict:
     m = result.metrics
     reasons: list[str] = []
@@ -64,14 +77,13 @@ def judge(result: RunResult, profile: Profile) -> Verdict:
     if result.scenario == "Offline":
         perf_met, es = None, []
         duration, min_duration = m.duration_s, profile.min_duration_s
-        min_queries = profile.offline_min_query_count
     else:
         lat_reasons, perf_met, es = _latency_checks(result, profile)
         reasons += lat_reasons
         duration, min_duration = m.final_scheduled_s, profile.min_duration_s
         if result.scenario == "Concurrency":
             duration = m.duration_s
-        min_queries = profile.server_min_query_count
+    min_queries = profile.min_query_count(result.scenario)
     duration_met = duration >= min_duration
     if not duration_met:
         reasons.append(f"too short: {duration:.1f} s < minimum {min_duration:g} s")
@@ -83,9 +95,7 @@ def judge(result: RunResult, profile: Profile) -> Verdict:
     if m.num_failed:
         detail = "; ".join(f"{n}x {msg}" for msg, n in list(m.errors.items())[:3])
         reasons.append(f"{m.num_failed} of {m.num_issued} requests failed ({detail})")
-    if min_duration < SUBMISSION_MIN_DURATION_S:
-        notes.append(f"development run: minimum duration {min_duration:g} s is below MLPerf's "
-                     f"{SUBMISSION_MIN_DURATION_S:g} s; NOT of submission length")
+    notes += _length_notes(result.scenario, profile, duration, m.num_issued)
     if result.scenario == "Concurrency":
         notes.append("closed-loop concurrency run: not an MLPerf scenario; limits applied for reference")
     if m.num_one_token_outputs:

@@ -123,12 +123,20 @@ def peak_table(rows: list[dict]) -> list[str]:
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['phase']} | {r['target_qps']:.4g} | {r['num_queries']} | "
                      f"{_fmt(r['completed_tokens_per_s'])} | {_fmt(r['ttft_p99_ms'], 1)} | {_fmt(r['tpot_p99_ms'], 1)} "
-                     f"| {r['failed']} | {'yes' if r['meets_limits'] else 'no'} | {r['verdict']} |")
+                     f"| {r['failed']} | {_search_pass_cell(r)} | {r['verdict']} |")
     return lines + [""]
 
 
+def _search_pass_cell(row: dict) -> str:
+    if row["meets_limits"]:
+        return "yes"
+    misses = row.get("misses") or []
+    return f"no ({'; '.join(misses)})" if misses else "no"
+
+
 def peak_sections(result, out_dir: str, stem: str) -> list[str]:
-    how = "confirmed by a second run" if result.confirmed else "the best passing run; no room left to confirm it"
+    how = ("confirmed by a second run" if result.confirmed
+           else "NOT confirmed: the best passing run; no room left to confirm it")
     if not result.confirmed and result.failed_confirmations:
         failed = ", ".join(f"{q:.4g}" for q in result.failed_confirmations)
         how = (f"NOT confirmed: the confirming run at {failed} QPS missed the limits and the run cap or time "
@@ -137,8 +145,10 @@ def peak_sections(result, out_dir: str, stem: str) -> list[str]:
     head = (f"**Peak target QPS meeting the limits: {result.peak_qps:.4g}** ({how})"
             if result.peak_qps is not None else "**No target QPS met the limits** (lower the start QPS)")
     lines = ["## find-peak", "", head, "",
-             "The search (like LoadGen's FindPeakPerformance) tests the latency limits and failures only; the "
-             "full verdict of each run (duration, query count, early stopping) is in the last column.", ""]
+             "A run meets the limits for the search (like LoadGen's FindPeakPerformance) when its p99 TTFT and "
+             "TPOT are within the limits, no request failed, and it reached its minimum duration and query count "
+             "(a run cut short by the query cap is a fail: its burst never built the queue a full-length run "
+             "would); early stopping is not tested. The full verdict of each run is in the last column.", ""]
     if result.stopped_by_max_runs:
         lines += ["The search stopped at its run cap or time budget before converging: the peak is a lower "
                   "bound (confirmed where a confirming run is listed).", ""]
@@ -156,7 +166,16 @@ async def run_find_peak(cfg: BenchConfig, search: PeakSearchConfig, out_dir: str
     outcomes = [result.peak] if result.peak is not None else result.runs[-1:]
     bound = step_time_bound(result.peak, cfg.profile.tpot_limit_ms)
     sections = peak_sections(result, out_dir, stem) + bound_section(bound)
-    return outcomes, sections, {"peak_qps": result.peak_qps, "runs": result.rows, "step_time_bound": bound}
+    return outcomes, sections, peak_summary(result, bound)
+
+
+def peak_summary(result, bound: dict | None) -> dict:
+    """The JSON summary of a find-peak: peak_confirmed False means peak_qps is the best passing search run (no
+    room left to confirm, or every confirmation missed: those QPS in failed_confirmations), an optimistic
+    figure."""
+    return {"peak_qps": result.peak_qps, "peak_confirmed": result.confirmed,
+            "failed_confirmations": list(result.failed_confirmations),
+            "stopped_by_max_runs": result.stopped_by_max_runs, "runs": result.rows, "step_time_bound": bound}
 
 
 async def run_sweep_workflow(cfg: BenchConfig, levels: list[int], queries_per_level: int | None, out_dir: str,

@@ -20,6 +20,23 @@ from tokenmill.bench.sut.base import SUT, Clock, FirstTokenHook
 from tokenmill.bench.sut.raw_http import HttpStatusError, RawHttpClient, StreamDropped
 
 
+# Finish reasons of a stream that ended without the output it asked for: tokenmill's server ends its in-flight
+# requests with "abort" when it shuts down, and "error" when their step failed.
+UNFINISHED_FINISH_REASONS = ("abort", "error")
+
+
+def unfinished_output(sample: Sample, record: RequestRecord) -> str | None:
+    """Why a stream that ended cleanly still failed (None: it did not): an abort/error finish reason, or
+    fewer output tokens than the sample's min_output_tokens (the min_tokens sent; MLPerf forbids truncating
+    the output). Above that minimum an early stop is EOS and legitimate (cnndm: min 1)."""
+    if record.finish_reason in UNFINISHED_FINISH_REASONS:
+        return f"stream ended with finish_reason {record.finish_reason!r}"
+    if (record.num_output_tokens or 0) < sample.min_output_tokens:
+        return (f"output truncated: fewer tokens than min_tokens {sample.min_output_tokens} "
+                f"(finish_reason {record.finish_reason!r})")
+    return None
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     base_url: str                       # e.g. http://127.0.0.1:8000 (with or without /v1)
@@ -94,6 +111,8 @@ class HttpSUT(SUT):
             record.error = f"stream broken: {type(e).__name__}: {e}"
         if record.error is None and record.num_output_tokens is None:
             self._count_by_retokenizing(record)
+        if record.error is None:
+            record.error = unfinished_output(sample, record)
 
     async def _lines(self, body: dict) -> AsyncIterator[bytes]:
         """Response body lines from either transport; errors as HttpStatusError / StreamDropped / OSError."""
