@@ -12,6 +12,10 @@ again at step s + 2 only after every rank published s + 1, which each does after
 slot is overwritten while it is read. Ordering relies on x86's total store order (stores become visible
 in program order), so the group uses it only on x86-64 hosts, and only when every rank could map the file
 (ranks on other hosts fall back to gloo together). Tensors larger than `capacity` take gloo's path.
+
+A rank that times out waiting for the others can no longer tell which all-reduce they are at: its
+instance refuses every later call (raises), and it publishes ABANDONED as its step, so a peer that
+arrives later raises too instead of summing slots from different all-reduces.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 CAPACITY_BYTES = 8 << 20         # per rank and half: a prefill chunk of 2048 tokens x 1024 float32 values
 _COUNTER_STRIDE = 8              # int64s between two ranks' counters (64 bytes: one cache line each)
 _SPINS_BEFORE_YIELD = 256
+ABANDONED = 2**62                # a rank's step counter once it gave up waiting: the group is out of step
 
 
 class ShmAllReduce:
@@ -36,10 +41,14 @@ class ShmAllReduce:
         self.counters = raw[:header].view(torch.int64)[::_COUNTER_STRIDE]          # [size]
         self.slots = raw[header:].view(torch.float32).view(2, size, capacity // 4)  # [half, rank, values]
         self.step = int(self.counters[rank])
+        self.broken: str | None = None       # why this rank's all-reduces are no longer in step with the others'
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """x <- the sum of x over the ranks, in place; False (x untouched) when x is not a contiguous float32
-        CPU tensor of at most `capacity` bytes (the caller then uses gloo)."""
+        CPU tensor of at most `capacity` bytes (the caller then uses gloo). Raises RuntimeError, for every
+        tensor, once a rank of the group timed out (this one or another): the ranks' steps may not match."""
+        if self.broken is not None:                          # gloo's path would be out of step as well
+            raise RuntimeError(f"the shared-memory all-reduce is out of step and refuses further use: {self.broken}")
         n = x.numel()
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or 4 * n > self.capacity:
             return False
@@ -57,15 +66,24 @@ class ShmAllReduce:
     def _wait_all(self) -> None:
         spins, deadline = 0, None
         for r in range(self.size):
-            while int(self.counters[r]) < self.step:
+            while (published := int(self.counters[r])) < self.step:
                 spins += 1
                 if spins % _SPINS_BEFORE_YIELD == 0:
                     os.sched_yield()
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout_s
                     if now > deadline:
-                        raise RuntimeError(f"tensor-parallel rank {r} did not reach all-reduce step {self.step} "
-                                           f"within {self.timeout_s:.0f} s (it died or hangs)")
+                        self._abandon(f"tensor-parallel rank {r} did not reach all-reduce step {self.step} "
+                                      f"within {self.timeout_s:g} s (it died or hangs)")
+            if published == ABANDONED:
+                self._abandon(f"tensor-parallel rank {r} gave up on an all-reduce (timed out): the ranks are "
+                              f"out of step")
+
+    def _abandon(self, why: str):
+        """This rank leaves the group for good: later calls here raise, and peers see ABANDONED and raise."""
+        self.broken = why
+        self.counters[self.rank] = ABANDONED
+        raise RuntimeError(why)
 
 
 def shm_supported() -> bool:
@@ -82,15 +100,21 @@ def create_group_shm(rank: int, size: int, group, capacity: int = CAPACITY_BYTES
         path[0] = f"/dev/shm/tokenmill-tp-{uuid.uuid4().hex}"
         with open(path[0], "wb") as f:
             f.truncate(size * _COUNTER_STRIDE * 8 + 2 * size * capacity)
-    dist.broadcast_object_list(path, src=0, group=group)
-    shm = None
-    if path[0] is not None and shm_supported() and os.path.exists(path[0]):     # not there: another host
-        try:
-            shm = ShmAllReduce(path[0], rank, size, capacity, timeout_s)
-        except (OSError, RuntimeError):
-            shm = None
-    ok = torch.tensor([1 if shm is not None else 0], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if rank == 0 and path[0] is not None:
-        os.unlink(path[0])                 # every rank has it mapped (or none uses it): the file can go
+    try:
+        dist.broadcast_object_list(path, src=0, group=group)
+        shm = _map_if_here(path[0], rank, size, capacity, timeout_s)
+        ok = torch.tensor([1 if shm is not None else 0], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        if rank == 0 and path[0] is not None:
+            os.unlink(path[0])             # every rank has it mapped, or none uses it (a collective failed)
     return shm if int(ok) == 1 else None
+
+
+def _map_if_here(path: str | None, rank: int, size: int, capacity: int, timeout_s: float) -> ShmAllReduce | None:
+    if path is None or not shm_supported() or not os.path.exists(path):     # not there: another host
+        return None
+    try:
+        return ShmAllReduce(path, rank, size, capacity, timeout_s)
+    except (OSError, RuntimeError):
+        return None

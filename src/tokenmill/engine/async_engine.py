@@ -27,6 +27,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_core import EngineStats
 from tokenmill.engine.errors import EngineDeadError, RequestFailedError, RequestUnavailableError
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.executor.base import ExecutorFailed
 from tokenmill.outputs import RequestOutput
 from tokenmill.platforms.host_threads import release_thread_pool
 from tokenmill.sampling_params import SamplingParams
@@ -117,11 +118,12 @@ class AsyncEngine:
         return len(self._streams)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop (waiting up to timeout_s for its step to end), then the executor's worker
+        processes, if any, even when the loop is still in a step (that step then fails)."""
         self._stop.set()
         self._commands.put(("wake", None, None))
         self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self.engine.shutdown()                      # the executor's worker processes, if any
+        self.engine.shutdown()
 
     def _submit(self, command: tuple, quiet: bool = False) -> None:
         """Queue a command for the engine thread; EngineDeadError (unless quiet) once the loop stopped."""
@@ -143,6 +145,9 @@ class AsyncEngine:
                     for out in self.engine.step():
                         self._deliver(out)
         except BaseException as e:  # noqa: BLE001 - the loop is dead: say so to everyone, never hang
+            if self._stop.is_set():              # shutdown() stopped the workers under this step
+                self._stop_serving(EngineDeadError("the engine was shut down"))
+                return
             logger.exception("the engine loop died")
             self.died_of_bug = True
             self._stop_serving(EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}"))
@@ -168,6 +173,9 @@ class AsyncEngine:
             request_id, prompt, params, loop, stream = payload
             try:
                 self.engine.add_request(request_id, prompt, params, stream=True)
+            except ExecutorFailed as e:         # nothing left to run it on: the loop dies of it
+                admitted.set_exception(EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}"))
+                raise
             except Exception as e:  # noqa: BLE001 - bad input: the caller's error, not the loop's
                 admitted.set_exception(e)
                 return

@@ -155,9 +155,16 @@ class LLMEngine:
             if c.request.request_id in self.child_to_parent:
                 raise ValueError(f"request id {c.request.request_id!r} is already in use")
         self.requests[request_id] = state
-        for c in state.completions:
-            self.child_to_parent[c.request.request_id] = (state, c.index)
-            self.core.add_request(c.request)
+        try:
+            for c in state.completions:
+                self.child_to_parent[c.request.request_id] = (state, c.index)
+                self.core.add_request(c.request)
+        except BaseException:                  # e.g. ExecutorFailed: no replica left; nothing stays queued
+            self.core.abort([c.request.request_id for c in state.completions])
+            self.requests.pop(request_id, None)
+            for c in state.completions:
+                self.child_to_parent.pop(c.request.request_id, None)
+            raise
         self.prompt_tokens_total += len(ids) * params.n
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams, what: str = "prompt") -> None:
@@ -189,7 +196,10 @@ class LLMEngine:
         return self._finish_if_done(state, time.perf_counter(), force=True)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests in flight; with data-parallel replicas also news from a replica not yet read (its
+        death, say), which the next step() learns even while no request runs: when none is left, step()
+        raises ExecutorFailed."""
+        return bool(self.requests) or (isinstance(self.core, ReplicatedCore) and self.core.has_unfinished())
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -5,8 +5,9 @@ compact updates of the requests that changed; the front side is a link whose rel
 message, and finally DEAD with the reason, on the front's inbox (one queue for all replicas).
 
 Messages from a replica: ("ready", (num_blocks, weight_bytes, step model)) once, or ("error", why); then
-("updates", (updates, load, stats, step model or None)) per step. To a replica: ("add", Request),
-("abort", ids, reason, stop_reason), ("shutdown",)."""
+("updates", (updates, load, stats, step model or None)) per step; and (DEAD, why) last if serving failed
+(an exception in its core: the front fails its requests with `why`; the replica serves no more). To a
+replica: ("add", Request), ("abort", ids, reason, stop_reason), ("shutdown",)."""
 from __future__ import annotations
 
 import logging
@@ -57,6 +58,20 @@ def serve_replica(core, recv, poll, send) -> None:
             send(("updates", ([compact_update(u) for u in updates], replica_load(core), core.stats(), model)))
 
 
+def serve_or_report(core, recv, poll, send) -> None:
+    """serve_replica; if it raises, (DEAD, the error) is the replica's last message (when the front is
+    gone, sending it fails too: nothing more to do)."""
+    try:
+        serve_replica(core, recv, poll, send)
+    except Exception as e:  # noqa: BLE001 - the replica's end, told to the front, which fails its requests
+        if not isinstance(e, (EOFError, ConnectionError)):      # not merely the front gone
+            logger.exception("tokenmill: a data-parallel replica stops serving")
+        try:
+            send((DEAD, f"failed: {type(e).__name__}: {e}"))
+        except (OSError, ValueError):
+            pass
+
+
 def replica_main(index: int, config, threads: int, conn) -> None:
     """A replica's process (PipeLink)."""
     try:
@@ -66,9 +81,9 @@ def replica_main(index: int, config, threads: int, conn) -> None:
         return
     conn.send(ready_message(core))
     try:
-        serve_replica(core, conn.recv, conn.poll, conn.send)
-    except (EOFError, OSError):                           # the front is gone
-        return
+        serve_or_report(core, conn.recv, conn.poll, conn.send)
+    finally:
+        core.shutdown()                                   # its tensor-parallel workers, if any
 
 
 class PipeLink:
@@ -109,6 +124,8 @@ class PipeLink:
                                              (f" with exit code {code}" if code is not None else ""))))
                 return
             self.inbox.put((self.index, message))
+            if message[0] == DEAD:                        # its last: the process ends by itself
+                return
 
     def send(self, message) -> None:
         try:
@@ -129,6 +146,12 @@ class PipeLink:
         self.proc.kill()
 
 
+def _first_line(e: BaseException) -> str:
+    """The exception's type and the first line of its message (Ray's run to many lines)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def _replica_actor():
     import ray
     from tokenmill.platforms.host_threads import release_thread_pool
@@ -141,7 +164,7 @@ def _replica_actor():
             self.commands, self.messages = queue.Queue(), queue.Queue()
             self.core = build_replica_core(index, config, threads)
             release_thread_pool()            # serve_replica steps on another thread (host_threads.py)
-            threading.Thread(target=serve_replica, daemon=True,
+            threading.Thread(target=serve_or_report, daemon=True,
                              args=(self.core, self.commands.get, lambda: not self.commands.empty(),
                                    self.messages.put)).start()
 
@@ -189,10 +212,13 @@ class RayLink:
                 messages = ray.get(self.actor.collect.remote(0.2))
             except Exception as e:  # noqa: BLE001 - RayActorError and the like: the replica is gone
                 if not self._stopped:
-                    self.inbox.put((self.index, (DEAD, f"(a Ray actor) died: {type(e).__name__}")))
+                    self.inbox.put((self.index, (DEAD, f"(a Ray actor) died: {_first_line(e)}")))
                 return
             for message in messages:
                 self.inbox.put((self.index, message))
+                if message[0] == DEAD:                    # its serving thread ended: the actor only holds resources
+                    self.stop()
+                    return
 
     def send(self, message) -> None:
         self.actor.submit.remote(message)

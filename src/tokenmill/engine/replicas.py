@@ -8,8 +8,10 @@ the compact ReplicaUpdates of the requests that changed, with its queue lengths.
 copy of every Request (the LLMEngine's), applies the updates to it and hands the LLMEngine the usual
 CoreUpdates. Aborts finish the front copy at once; a replica's later updates for it are dropped.
 
-A replica that dies ends its in-flight requests with an error naming it; the others keep serving. When
-none is left, step() raises ExecutorFailed (fatal to the engine). CPU threads are split between replicas.
+A replica that dies, or whose core raises (it says why, then stops), ends its in-flight requests with an
+error naming it and why; the others keep serving. When none is left, step() raises ExecutorFailed (fatal
+to the engine), even while idle: has_unfinished() is True while a replica's message (its death) is
+unread. CPU threads are split between replicas.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class _Replica:
     requests: set = field(default_factory=set)    # ids in flight there
     stats: EngineStats | None = None
     alive: bool = True
+    why: str = ""                                 # once dead: how it died
 
 
 def replica_load(core) -> ReplicaLoad:
@@ -138,6 +141,9 @@ class ReplicatedCore:
         logger.info("tokenmill: %d data-parallel replicas (%s), %d threads each", num_replicas,
                     "Ray actors" if on_ray else "processes", threads)
 
+    def _all_failed(self) -> ExecutorFailed:
+        return ExecutorFailed("every data-parallel replica has failed: " + "; ".join(r.why for r in self.replicas))
+
     def _first_alive(self) -> int:
         return next((r.index for r in self.replicas if r.alive), -1)
 
@@ -150,7 +156,7 @@ class ReplicatedCore:
     def add_request(self, request: Request) -> None:
         live = [r for r in self.replicas if r.alive]
         if not live:
-            raise ExecutorFailed("every data-parallel replica has failed")
+            raise self._all_failed()
         chosen = live[self.router.choose(request.prompt_token_ids, [r.index for r in live])]
         chosen.link.send(("add", request))
         chosen.requests.add(request.request_id)
@@ -175,9 +181,10 @@ class ReplicatedCore:
         return done
 
     def has_unfinished(self) -> bool:
-        """Requests in flight; also True once every replica is dead, so the engine loop steps and learns
-        it (step() raises ExecutorFailed) instead of waiting for requests that can never run."""
-        return bool(self.requests) or not any(r.alive for r in self.replicas)
+        """Requests in flight, or a replica's message not yet read (a death among them: an idle engine
+        must learn it too); also True once every replica is dead, so the engine loop steps and learns it
+        (step() raises ExecutorFailed) instead of waiting for requests that can never run."""
+        return bool(self.requests) or not self.inbox.empty() or not any(r.alive for r in self.replicas)
 
     def step(self) -> list[CoreUpdate]:
         """The updates of the replica steps finished since the last call, waiting at most step_wait_s for
@@ -205,7 +212,7 @@ class ReplicatedCore:
                     self.step_model.description = model
                 updates.extend(u for u in (self._apply(c) for c in compact) if u is not None)
         if not updates and not any(r.alive for r in self.replicas):
-            raise ExecutorFailed("every data-parallel replica has failed")
+            raise self._all_failed()
         return updates
 
     def _apply(self, c: ReplicaUpdate) -> CoreUpdate | None:
@@ -227,7 +234,7 @@ class ReplicatedCore:
     def _replica_died(self, replica: _Replica, how: str) -> list[CoreUpdate]:
         replica.alive = False
         self.router.remove(replica.index)
-        why = f"data-parallel replica {replica.index} {how}"
+        why = replica.why = f"data-parallel replica {replica.index} {how}"
         logger.error("tokenmill: %s; %d requests on it fail, %d replicas remain", why, len(replica.requests),
                      sum(r.alive for r in self.replicas))
         out = []

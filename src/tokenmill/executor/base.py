@@ -36,7 +36,8 @@ class Executor:
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """One step on every rank. Raises the step's error (a request's fault: the core bisects), or
-        ExecutorFailed (fatal)."""
+        ExecutorFailed (fatal). With several ranks any rank's error is ExecutorFailed: a step that failed
+        on one rank may have left the others' collectives out of step with it, so it cannot be rerun."""
         raise NotImplementedError
 
     def shutdown(self) -> None:

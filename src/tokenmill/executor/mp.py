@@ -1,10 +1,13 @@
 """One worker process per tensor-parallel rank on this machine (worker/worker.py), driven over pipes.
 
 Each step: the SchedulerOutput is encoded once as a StepDelta (messages.py) and sent to every rank; every
-rank runs the same step (the collectives need all of them); rank 0's RunnerOutput is the step's. A
-rank's error fails the step (the engine core then bisects it as it does in process); a rank that dies,
-or answers nothing while alive for `step_timeout_s`, is fatal: every worker is stopped and the engine core
-gets ExecutorFailed, within about `poll_s` of a death.
+rank runs the same step (the collectives need all of them); rank 0's RunnerOutput is the step's. With one
+rank, its error fails the step (the engine core then bisects it as it does in process). With several, a
+rank's error is fatal: the others may be waiting in a collective it never reached, and once that times
+out their collectives no longer line up, so the step cannot be rerun. A rank's error, a rank that dies,
+or one that answers nothing while alive for `step_timeout_s` is fatal: every worker is stopped and the
+engine core gets ExecutorFailed within about `poll_s` of it, naming what happened and any error or death
+of another rank seen by then (often the cause: a rank out of memory, then another torn down).
 
 CPU threads are split between the ranks (the engine's num_threads, or torch's count, divided by the
 world size); on CUDA rank r runs on cuda:r."""
@@ -25,6 +28,7 @@ from tokenmill.executor.messages import DeltaEncoder
 from tokenmill.worker.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger("tokenmill")
+_DIED = "died"                   # _receive's answer for a rank whose process or pipe is gone
 
 
 def _free_port() -> int:
@@ -102,45 +106,75 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send(message)
             except (BrokenPipeError, OSError):
-                self._fail(f"rank {rank} is gone (its pipe is closed)")
+                others = set(range(len(self.conns))) - {rank}
+                self._fail(f"rank {rank} is gone (its pipe is closed)", message[0], others)
         return self._gather(message[0], timeout_s=self.step_timeout_s)
 
     def _gather(self, what: str, timeout_s: float, ok=("ok",)) -> list:
-        """Every rank's answer, in rank order. A rank's ("error", message) raises RuntimeError with it after
-        all have answered (the ranks stay in step); a dead or silent rank raises ExecutorFailed."""
-        results, errors = [None] * len(self.conns), []
+        """Every rank's answer, in rank order. A lone rank's ("error", message) raises RuntimeError with it
+        (ExecutorFailed at start-up); with several ranks any error, and a dead or silent rank, raises
+        ExecutorFailed."""
+        results = [None] * len(self.conns)
         pending = set(range(len(self.conns)))
         deadline = time.monotonic() + timeout_s
         while pending:
             for rank in sorted(pending):
-                conn = self.conns[rank]
-                try:
-                    ready = conn.poll(self.poll_s / len(self.conns))
-                    reply = conn.recv() if ready else None
-                except (EOFError, OSError):
-                    reply = None
-                    ready = True
-                if reply is not None:
-                    kind, value = reply
-                    pending.discard(rank)
-                    if kind in ok:
-                        results[rank] = value
-                    else:
-                        errors.append(value)
-                elif ready or not self.procs[rank].is_alive():
-                    code = self.procs[rank].exitcode
-                    self._fail(f"rank {rank} (pid {self.procs[rank].pid}) died during {what!r}"
-                               + (f" with exit code {code}" if code is not None else ""))
+                reply = self._receive(rank, self.poll_s / len(self.conns))
+                if reply is None:
+                    continue
+                pending.discard(rank)
+                kind, value = reply
+                if kind in ok:
+                    results[rank] = value
+                elif kind == _DIED:
+                    self._fail(self._death(rank, what, value), what, pending)
+                else:
+                    self._rank_failed(rank, what, value, others=pending)
             if pending and time.monotonic() > deadline:
-                self._fail(f"ranks {sorted(pending)} did not answer {what!r} within {timeout_s:.0f} s")
-        if errors:
-            if what == "start":
-                self.shutdown()
-                raise ExecutorFailed(errors[0])
-            raise RuntimeError(errors[0])
+                self._fail(f"ranks {sorted(pending)} did not answer {what!r} within {timeout_s:.0f} s", what,
+                           pending)
         return results
 
-    def _fail(self, why: str):
+    def _receive(self, rank: int, wait_s: float) -> tuple | None:
+        """The rank's reply; (_DIED, exit code) when it is gone; None while it is still at work."""
+        proc = self.procs[rank]
+        try:
+            if self.conns[rank].poll(wait_s):
+                return self.conns[rank].recv()
+            if proc.is_alive():
+                return None
+        except (EOFError, OSError):
+            pass
+        return _DIED, proc.exitcode
+
+    def _death(self, rank: int, what: str, exitcode: int | None) -> str:
+        return f"rank {rank} (pid {self.procs[rank].pid}) died during {what!r}" + \
+            (f" with exit code {exitcode}" if exitcode is not None else "")
+
+    def _rank_failed(self, rank: int, what: str, error: str, others):
+        """A rank answered ("error", error); `others`: the ranks yet to answer."""
+        if what == "start":
+            self.shutdown()
+            raise ExecutorFailed(error)
+        if len(self.conns) > 1:                  # the others' collectives are out of step with its
+            self._fail(f"rank {rank} failed during {what!r}: {error}", what, others)
+        raise RuntimeError(error)
+
+    def _others_news(self, ranks, what: str) -> list[str]:
+        """An error these ranks already sent (read without waiting), or their death: often the cause of
+        what failed (a rank killed, then its peers' collectives broken)."""
+        news = []
+        for rank in sorted(ranks):
+            reply = self._receive(rank, 0.0)
+            if reply is not None and reply[0] == "error":
+                news.append(f"rank {rank}: {reply[1]}")
+            elif reply is not None and reply[0] == _DIED:
+                news.append(self._death(rank, what, reply[1]))
+        return news
+
+    def _fail(self, why: str, what: str, others=()):
+        """Stop every worker and raise ExecutorFailed: `why`, then what befell the `others` ranks."""
+        why = "; ".join([why, *self._others_news(others, what)])
         self.shutdown()
         raise ExecutorFailed(f"the model's worker processes failed: {why}")
 

@@ -3,10 +3,12 @@ one (`ray start --head`, then ParallelConfig.ray_address, e.g. "auto" or "ip:637
 address, a local one started here.
 
 Each actor holds one worker/worker.py RankWorker; the step's delta goes into the object store once and
-every rank reads it. The ranks meet (torch.distributed) at rank 0's node address. A rank's exception fails
-the step (the engine core bisects); a dead actor, or one silent for step_timeout_s, is fatal
-(ExecutorFailed). Resources: one GPU per actor on CUDA; on the CPU the engine's threads split between the
-ranks, each actor reserving that many CPUs."""
+every rank reads it. The ranks meet (torch.distributed) at rank 0's node address. With one rank, its
+exception fails the step (the engine core bisects); with several it is fatal, as in executor/mp.py (the
+others may wait in a collective it never reached, out of step with it for good): every actor is killed,
+so no rank is left in the old step when another is sent. A dead actor, or one silent for step_timeout_s,
+is fatal too (ExecutorFailed). Resources: one GPU per actor on CUDA; on the CPU the engine's threads split
+between the ranks, each actor reserving that many CPUs."""
 from __future__ import annotations
 
 import logging
@@ -124,10 +126,14 @@ class RayExecutor(Executor):
             raise ExecutorFailed(f"the Ray actors did not answer {what!r} within {timeout_s:.0f} s") from None
         except RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
+            error = f"{type(cause).__name__}: {cause}"
             if what == "start":
                 self.shutdown()
-                raise ExecutorFailed(f"a rank could not start: {type(cause).__name__}: {cause}") from None
-            raise RuntimeError(f"{type(cause).__name__}: {cause}") from None
+                raise ExecutorFailed(f"a rank could not start: {error}") from None
+            if len(self.actors) > 1:             # ray.get returned at the first error: others may be mid-step
+                self.shutdown()
+                raise ExecutorFailed(f"a tensor-parallel rank failed during {what!r}: {error}") from None
+            raise RuntimeError(error) from None
 
     def shutdown(self) -> None:
         if self._closed:
