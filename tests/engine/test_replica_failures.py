@@ -1,7 +1,8 @@
 """Data-parallel replicas that fail (engine/replicas.py, engine/replica_links.py): a replica whose core
 raises (in its process, or in the serving thread of its Ray actor) says why before it stops, and its
 requests end with that error instead of hanging; an idle AsyncEngine whose every replica died notices on
-its own and is dead (the server answers 503 and exits for its supervisor)."""
+its own and is dead (the server answers 503 and exits for its supervisor); a replica that hangs alive
+blocks no add and is killed after replica_timeout_s of silence, its requests failing like a dead one's."""
 from __future__ import annotations
 
 import asyncio
@@ -75,3 +76,53 @@ def test_an_idle_engine_notices_that_every_replica_died(tiny_model_factory):
         assert not engine.engine.requests
     finally:
         engine.shutdown()
+
+
+@needs_two_cores
+def _ends_within(pid: int, timeout_s: float) -> bool:
+    """Whether the process has ended (gone, or a zombie not yet reaped: two threads of the front may race
+    to reap it, and multiprocessing's is_alive() can read a child reaped by the other as alive) in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.startswith("State:") and "Z" in line.split()[1] for line in f):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_hung_replica_neither_blocks_the_front_nor_holds_its_requests(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama"), data_parallel_size=2, kv_cache_memory_bytes=1 << 23, block_size=4,
+              num_threads=2)
+    engine, core = llm.engine, llm.engine.core
+    core.replica_timeout_s = 5.0
+    hung = core.replicas[1].link
+    os.kill(hung.pid, signal.SIGSTOP)                  # alive, but it reads its pipe no more
+    # half of 300 prompts of 400 tokens (about 3 KB each pickled) is more than its pipe's buffer holds
+    prompts = {f"h{i}": [100 + i] + [1000 + (i * 7 + j) % 5000 for j in range(399)] for i in range(300)}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    adder = threading.Thread(target=lambda: [engine.add_request(rid, p, params) for rid, p in prompts.items()],
+                             daemon=True)
+    try:
+        t0 = time.monotonic()
+        adder.start()
+        adder.join(10)
+        assert not adder.is_alive(), "adding requests blocked on the hung replica's pipe"
+        outs = {}
+        while engine.has_unfinished_requests() and time.monotonic() - t0 < 120:
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert len(outs) == 300, "requests still in flight after 120 s"
+        failed = {rid for rid, o in outs.items() if o.error}
+        assert 1 <= len(failed) < 300                                  # the hung replica's share only
+        assert all("data-parallel replica 1 answered nothing for 5 s" in outs[rid].error for rid in failed)
+        assert all(len(o.outputs[0].token_ids) == 2 for rid, o in outs.items() if rid not in failed)
+        assert [r.alive for r in core.replicas] == [True, False]
+        assert _ends_within(hung.pid, 10), "the hung replica was not killed"
+    finally:
+        hung.proc.kill()                               # unblocks a send stuck on its pipe (old code)
+        adder.join(30)
+        llm.shutdown()
+    assert not any(r.link.sender.is_alive() for r in core.replicas), "a sender thread outlived shutdown"

@@ -2,7 +2,8 @@
 over a pipe (PipeLink), or as a Ray actor (RayLink). Either way the replica side is serve_replica: an
 EngineCore stepping while it has work, taking commands between steps, and sending after every step the
 compact updates of the requests that changed; the front side is a link whose relay thread puts every
-message, and finally DEAD with the reason, on the front's inbox (one queue for all replicas).
+message, and finally DEAD with the reason, on the front's inbox (one queue for all replicas). Sending a
+replica a command never blocks the front (PipeLink: a sender thread per replica, in order; Ray: submit).
 
 Messages from a replica: ("ready", (num_blocks, weight_bytes, step model)) once, or ("error", why); then
 ("updates", (updates, load, stats, step model or None)) per step; and (DEAD, why) last if serving failed
@@ -18,6 +19,7 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 DEAD = "dead"
+_STOP_SENDING = object()                                  # a PipeLink sender thread's last item
 
 
 def build_replica_core(index: int, config, threads: int):
@@ -99,6 +101,12 @@ class PipeLink:
         self.proc.start()
         child.close()
         self.pid = self.proc.pid
+        # commands go out on a thread of their own: a replica reads its pipe only between its steps, and
+        # one that is hung or in a long step must not block the front once the pipe's buffer is full
+        self.outbox: queue.Queue = queue.Queue()          # commands in order, then _STOP_SENDING
+        self.sender = threading.Thread(target=self._send_in_order, daemon=True,
+                                       name=f"tokenmill-replica{index}-sender")
+        self.sender.start()
 
     def wait_ready(self, timeout_s: float):
         """The ready message's payload; raises RuntimeError with the replica's reason if it did not start."""
@@ -128,10 +136,26 @@ class PipeLink:
                 return
 
     def send(self, message) -> None:
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            pass                                          # the relay reports the death
+        """Queues the command for the sender thread; never blocks."""
+        self.outbox.put(message)
+
+    def _send_in_order(self) -> None:
+        """Sends the queued commands in order until _STOP_SENDING. Once a send fails the link is broken:
+        the rest are dropped and the replica is dead to the front (a closed pipe: the relay reports the
+        death; any other error: reported here, and the process killed)."""
+        broken = False
+        while (message := self.outbox.get()) is not _STOP_SENDING:
+            if broken:
+                continue
+            try:
+                self.conn.send(message)
+            except OSError:                               # the process is gone: the relay reports it
+                broken = True
+            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable command: the replica misses it
+                broken = True
+                self.inbox.put((self.index, (DEAD, f"(pid {self.pid}) could not be sent a command: "
+                                                   f"{type(e).__name__}: {e}")))
+                self.proc.kill()
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -140,6 +164,8 @@ class PipeLink:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(1.0)
+        self.outbox.put(_STOP_SENDING)                    # after the process ended: no send blocks now
+        self.sender.join(5.0)
         self.conn.close()
 
     def kill(self) -> None:
@@ -233,4 +259,7 @@ class RayLink:
 
     def kill(self) -> None:
         import ray
-        ray.kill(self.actor)
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass

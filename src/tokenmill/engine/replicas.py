@@ -9,14 +9,17 @@ copy of every Request (the LLMEngine's), applies the updates to it and hands the
 CoreUpdates. Aborts finish the front copy at once; a replica's later updates for it are dropped.
 
 A replica that dies, or whose core raises (it says why, then stops), ends its in-flight requests with an
-error naming it and why; the others keep serving. When none is left, step() raises ExecutorFailed (fatal
-to the engine), even while idle: has_unfinished() is True while a replica's message (its death) is
-unread. CPU threads are split between replicas.
+error naming it and why; the others keep serving. A replica alive but hung (commands to it never block
+the front: engine/replica_links.py) is dead too once it has requests in flight and has sent nothing for
+replica_timeout_s: it is killed and its requests fail the same way. When none is left, step() raises
+ExecutorFailed (fatal to the engine), even while idle: has_unfinished() is True while a replica's message
+(its death) is unread. CPU threads are split between replicas.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,6 +60,8 @@ class _Replica:
     stats: EngineStats | None = None
     alive: bool = True
     why: str = ""                                 # once dead: how it died
+    # when the front last read a message of it, or gave it a request while it had none, if later
+    last_heard: float = field(default_factory=time.monotonic)
 
 
 def replica_load(core) -> ReplicaLoad:
@@ -96,6 +101,7 @@ class ReplicatedCore:
     runner = None
     start_timeout_s = 600.0
     step_wait_s = 0.005
+    replica_timeout_s = 300.0        # a replica with requests in flight that sends nothing this long is dead
 
     def __init__(self, config, num_replicas: int, num_threads: int | None, enable_prefix_caching: bool) -> None:
         from tokenmill.executor.mp import check_ranks_fit
@@ -158,6 +164,8 @@ class ReplicatedCore:
         if not live:
             raise self._all_failed()
         chosen = live[self.router.choose(request.prompt_token_ids, [r.index for r in live])]
+        if not chosen.requests:                   # idle until now: its silence so far was no fault
+            chosen.last_heard = time.monotonic()
         chosen.link.send(("add", request))
         chosen.requests.add(request.request_id)
         self.router.admitted(chosen.index, request.prompt_token_ids)
@@ -199,10 +207,12 @@ class ReplicatedCore:
         except queue.Empty:
             pass
         updates: list[CoreUpdate] = []
+        now = time.monotonic()
         for index, (kind, value) in messages:
             replica = self.replicas[index]
             if not replica.alive:
                 continue
+            replica.last_heard = now
             if kind == DEAD:
                 updates.extend(self._replica_died(replica, value))
             elif kind == "updates":
@@ -211,6 +221,7 @@ class ReplicatedCore:
                 if model is not None and index == self._first_alive():
                     self.step_model.description = model
                 updates.extend(u for u in (self._apply(c) for c in compact) if u is not None)
+        updates.extend(self._kill_silent_replicas(now))
         if not updates and not any(r.alive for r in self.replicas):
             raise self._all_failed()
         return updates
@@ -230,6 +241,18 @@ class ReplicatedCore:
             self.requests.pop(c.request_id, None)
             replica.requests.discard(c.request_id)
         return CoreUpdate(request, c.new_token_ids, c.new_logprobs, c.error)
+
+    def _kill_silent_replicas(self, now: float) -> list[CoreUpdate]:
+        """A live replica with requests in flight that has sent nothing for replica_timeout_s (hung: a
+        kernel, a deadlock, a stopped process) is killed, and dies like one that died by itself."""
+        out = []
+        for replica in self.replicas:
+            if replica.alive and replica.requests and now - replica.last_heard > self.replica_timeout_s:
+                replica.link.kill()
+                out.extend(self._replica_died(replica, f"answered nothing for {self.replica_timeout_s:g} s "
+                                                       f"with {len(replica.requests)} requests in flight; "
+                                                       "it was killed"))
+        return out
 
     def _replica_died(self, replica: _Replica, how: str) -> list[CoreUpdate]:
         replica.alive = False
