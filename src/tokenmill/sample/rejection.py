@@ -40,13 +40,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafts: list[int], meta: Samp
         also = None if relaxed is None else (lambda i: _close_enough(logits[i], drafts[i], *relaxed))
         return accept_greedy(drafts, _argmax(logits).tolist(), also)
     probs = Sampler.target_probs(logits.float().clone(), [meta] * logits.shape[0])      # [k + 1, vocab]
-    emitted = []
-    for i, row in enumerate(probs):
-        token = _draw(sampler, row, meta)                    # x_i ~ p_i, one uniform number
-        emitted.append(token)
-        if i == len(drafts) or token != drafts[i]:
-            return emitted                                   # a rejection's replacement, or the bonus token
-    raise AssertionError("unreachable: the last row always returns")
+    for i, draft in enumerate(drafts):
+        token = _draw(sampler, probs[i], meta)               # x_i ~ p_i, one uniform number
+        if token != draft:
+            return drafts[:i] + [token]                      # rejected: x_i replaces it
+    return drafts + [_draw(sampler, probs[-1], meta)]        # all accepted: the bonus token
 
 
 def accept_greedy(drafts: list[int], target: list[int], also=None) -> list[int]:
