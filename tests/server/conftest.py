@@ -31,9 +31,11 @@ def free_port() -> int:
 
 class ServerProcess:
     """`python -m tokenmill.server`, or `python -c python_code` with the same arguments (a script that
-    patches the engine before it calls tokenmill.server.cli.main)."""
+    patches the engine before it calls tokenmill.server.cli.main); with new_session, in a session (and
+    process group) of its own, as a shell starts a job: os.killpg then reaches it, not pytest."""
 
-    def __init__(self, model_dir: str, log_path: str, *extra: str, python_code: str | None = None) -> None:
+    def __init__(self, model_dir: str, log_path: str, *extra: str, python_code: str | None = None,
+                 new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -43,7 +45,7 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self._terminated = False
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=new_session)
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:

@@ -76,6 +76,8 @@ def serve_or_report(core, recv, poll, send) -> None:
 
 def replica_main(index: int, config, threads: int, conn) -> None:
     """A replica's process (PipeLink)."""
+    from tokenmill.executor.owned_process import become_owned_child
+    become_owned_child()                                  # its front alone stops it: no terminal/group signal
     try:
         core = build_replica_core(index, config, threads)
     except BaseException as e:  # noqa: BLE001 - reported to the front, which fails start-up with it
@@ -93,12 +95,13 @@ class PipeLink:
 
     def __init__(self, index: int, config, threads: int, inbox: queue.Queue) -> None:
         import multiprocessing
+        from tokenmill.executor.owned_process import start_owned
         ctx = multiprocessing.get_context("spawn")
         self.index, self.inbox = index, inbox
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=replica_main, args=(index, config, threads, child), daemon=True,
                                 name=f"tokenmill-replica{index}")
-        self.proc.start()
+        start_owned(self.proc)                            # it ignores SIGTERM: killed at our exit if left running
         child.close()
         self.pid = self.proc.pid
         # commands go out on a thread of their own: a replica reads its pipe only between its steps, and

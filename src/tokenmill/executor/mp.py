@@ -9,6 +9,10 @@ or one that answers nothing while alive for `step_timeout_s` is fatal: every wor
 engine core gets ExecutorFailed within about `poll_s` of it, naming what happened and any error or death
 of another rank seen by then (often the cause: a rank out of memory, then another torn down).
 
+A worker ignores the SIGINT/SIGTERM meant for the server (a terminal's Ctrl-C, a group's stop), so the
+server's drain can finish its steps; it ends on ("shutdown",), SIGKILL, or its parent's death
+(owned_process.py).
+
 CPU threads are split between the ranks (the engine's num_threads, or torch's count, divided by the
 world size); on CUDA rank r runs on cuda:r."""
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.step_time import DecodeRows
 from tokenmill.executor.base import Executor, ExecutorFailed, narrowest
 from tokenmill.executor.messages import DeltaEncoder
+from tokenmill.executor.owned_process import start_owned
 from tokenmill.worker.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger("tokenmill")
@@ -71,7 +76,7 @@ class MultiprocExecutor(Executor):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(spec, config, child), daemon=True,
                                name=f"tokenmill-rank{rank}")
-            proc.start()
+            start_owned(proc)                     # it ignores SIGTERM: killed at our exit if left running
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

@@ -51,6 +51,8 @@ class RankWorker:
 
 
 def worker_main(spec: WorkerSpec, config, conn) -> None:
+    from tokenmill.executor.owned_process import become_owned_child
+    become_owned_child()                        # its parent alone stops it: no terminal/group signal
     try:
         worker = RankWorker(spec, config)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails start-up with it
