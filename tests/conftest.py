@@ -8,6 +8,8 @@ import os
 # processes (the server tests start their own), spinning makes every op orders of magnitude slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import time
+
 import pytest
 import torch
 
@@ -27,6 +29,21 @@ ARCH_TINY = {
                         routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_interleave=True),
 }
+
+
+def process_ended_within(pid: int, timeout_s: float) -> bool:
+    """Whether the process has ended (gone, or a zombie not yet reaped: two threads of a parent may race to
+    reap it, and multiprocessing's is_alive() can read a child reaped by the other as alive) in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.startswith("State:") and "Z" in line.split()[1] for line in f):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture(scope="session")

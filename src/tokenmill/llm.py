@@ -27,7 +27,9 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallel); the LLM is unusable afterwards."""
+        """Stop the engine's worker processes (tensor parallel) and replicas (data parallel); the LLM is
+        unusable afterwards. An LLM dropped without it stops its data-parallel replicas when it is
+        garbage-collected (engine/replicas.py)."""
         self.engine.shutdown()
 
     @property

@@ -17,6 +17,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.errors import EngineDeadError, RequestUnavailableError
+from conftest import process_ended_within
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two cores")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -31,7 +32,7 @@ def test_a_replica_whose_core_raises_fails_its_requests_with_the_error(tiny_mode
     llm = LLM(tiny_model_factory("llama"), data_parallel_size=2, distributed_executor_backend=backend,
               kv_cache_memory_bytes=1 << 23, block_size=4, num_threads=2)
     try:
-        llm.engine.core.replicas[0].link.send(("add", None))          # its core raises on this command
+        llm.engine.core.replicas[0].link.send(("add", None, 0))       # its core raises on this command
         result: list = []
 
         def generate():
@@ -79,21 +80,6 @@ def test_an_idle_engine_notices_that_every_replica_died(tiny_model_factory):
 
 
 @needs_two_cores
-def _ends_within(pid: int, timeout_s: float) -> bool:
-    """Whether the process has ended (gone, or a zombie not yet reaped: two threads of the front may race
-    to reap it, and multiprocessing's is_alive() can read a child reaped by the other as alive) in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                if any(line.startswith("State:") and "Z" in line.split()[1] for line in f):
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_hung_replica_neither_blocks_the_front_nor_holds_its_requests(tiny_model_factory):
     llm = LLM(tiny_model_factory("llama"), data_parallel_size=2, kv_cache_memory_bytes=1 << 23, block_size=4,
               num_threads=2)
@@ -120,7 +106,7 @@ def test_a_hung_replica_neither_blocks_the_front_nor_holds_its_requests(tiny_mod
         assert all("data-parallel replica 1 answered nothing for 5 s" in outs[rid].error for rid in failed)
         assert all(len(o.outputs[0].token_ids) == 2 for rid, o in outs.items() if rid not in failed)
         assert [r.alive for r in core.replicas] == [True, False]
-        assert _ends_within(hung.pid, 10), "the hung replica was not killed"
+        assert process_ended_within(hung.pid, 10), "the hung replica was not killed"
     finally:
         hung.proc.kill()                               # unblocks a send stuck on its pipe (old code)
         adder.join(30)

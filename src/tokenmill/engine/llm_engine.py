@@ -117,7 +117,8 @@ class LLMEngine:
                     self.startup_s)
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes, if any (idempotent; in-process engines have none)."""
+        """Stop the executor's worker processes or the data-parallel replicas, if any (idempotent;
+        in-process engines have none)."""
         self.core.shutdown()
 
     @property

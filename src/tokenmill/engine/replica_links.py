@@ -4,11 +4,15 @@ EngineCore stepping while it has work, taking commands between steps, and sendin
 compact updates of the requests that changed; the front side is a link whose relay thread puts every
 message, and finally DEAD with the reason, on the front's inbox (one queue for all replicas). Sending a
 replica a command never blocks the front (PipeLink: a sender thread per replica, in order; Ray: submit).
+A replica applies its commands in the order the front sent them (a pipe keeps it; a threaded Ray actor
+does not, so RayLink numbers them and the actor puts them back in order: InOrder).
 
 Messages from a replica: ("ready", (num_blocks, weight_bytes, step model)) once, or ("error", why); then
 ("updates", (updates, load, stats, step model or None)) per step; and (DEAD, why) last if serving failed
 (an exception in its core: the front fails its requests with `why`; the replica serves no more). To a
-replica: ("add", Request), ("abort", ids, reason, stop_reason), ("shutdown",)."""
+replica: ("add", Request, serial), ("abort", ids, reason, stop_reason), ("shutdown",). Each update echoes
+the serial of the add of its request (ReplicaUpdate.serial), so the front can tell a request from a later
+one that reuses its id."""
 from __future__ import annotations
 
 import logging
@@ -39,7 +43,8 @@ def ready_message(core) -> tuple:
 
 def serve_replica(core, recv, poll, send) -> None:
     """recv() -> the next command (blocking), poll() -> whether one is queued, send(message)."""
-    from tokenmill.engine.replicas import compact_update, replica_load
+    from tokenmill.engine.replicas import replica_load
+    serials: dict[str, int] = {}          # request id -> its add's serial, while the core holds the request
     steps = 0
     while True:
         if not core.has_unfinished() or poll():
@@ -47,17 +52,33 @@ def serve_replica(core, recv, poll, send) -> None:
                 command, *args = recv()
                 if command == "shutdown":
                     return
-                if command == "add":
-                    core.add_request(args[0])
-                elif command == "abort":
-                    core.abort(*args)
+                apply_command(core, serials, command, args)
                 if not poll():
                     break
         if core.has_unfinished():
             updates = core.step()
             steps += 1
             model = core.step_model.describe() if steps % 64 == 1 else None     # its refit costs: now and then
-            send(("updates", ([compact_update(u) for u in updates], replica_load(core), core.stats(), model)))
+            send(("updates", (compact_updates(updates, serials), replica_load(core), core.stats(), model)))
+
+
+def apply_command(core, serials: dict[str, int], command: str, args: list) -> None:
+    """An add or an abort, applied to the core; `serials` follows the requests the core holds."""
+    if command == "add":
+        request, serial = args
+        core.add_request(request)
+        serials[request.request_id] = serial
+    elif command == "abort":
+        core.abort(*args)
+        for rid in args[0]:                               # (the front sends a list of ids)
+            serials.pop(rid, None)
+
+
+def compact_updates(updates, serials: dict[str, int]) -> list:
+    """The step's updates as ReplicaUpdates, each with its request's serial; a finished one's is forgotten."""
+    from tokenmill.engine.replicas import compact_update
+    return [compact_update(u, serials.pop(u.request.request_id) if u.request.is_finished
+                           else serials[u.request.request_id]) for u in updates]
 
 
 def serve_or_report(core, recv, poll, send) -> None:
@@ -168,11 +189,34 @@ class PipeLink:
             self.proc.kill()
             self.proc.join(1.0)
         self.outbox.put(_STOP_SENDING)                    # after the process ended: no send blocks now
-        self.sender.join(5.0)
+        if threading.current_thread() is not self.sender:  # (a finalizer may run on any thread, this one too)
+            self.sender.join(5.0)
         self.conn.close()
 
     def kill(self) -> None:
         self.proc.kill()
+
+
+class InOrder:
+    """Hands on numbered items strictly in their numbers' order 0, 1, 2, ... whatever order put() gets them
+    in: a threaded Ray actor (max_concurrency > 1) runs one caller's calls concurrently, so the submit of
+    an abort may run before the submit of the add it aborts. An item waits here until every lower number
+    has been handed on. Thread-safe; `deliver` is called under the lock, so deliveries never overlap."""
+
+    def __init__(self, deliver) -> None:
+        self.deliver = deliver
+        self.next_seq = 0                                 # the number handed on next
+        self.early: dict[int, object] = {}                # items put before their turn, by number
+        self.lock = threading.Lock()
+
+    def put(self, seq: int, item) -> None:
+        with self.lock:
+            if seq < self.next_seq or seq in self.early:
+                raise ValueError(f"item number {seq} was put twice")
+            self.early[seq] = item
+            while self.next_seq in self.early:
+                self.deliver(self.early.pop(self.next_seq))
+                self.next_seq += 1
 
 
 def _first_line(e: BaseException) -> str:
@@ -187,10 +231,12 @@ def _replica_actor():
 
     @ray.remote(max_restarts=0, max_concurrency=4)
     class RayReplica:
-        """serve_replica in a thread of the actor; submit() and collect() are the pipe's two ends."""
+        """serve_replica in a thread of the actor; submit() and collect() are the pipe's two ends. Calls run
+        on several threads, in any order: submit() takes each command with its number (RayLink.send)."""
 
         def __init__(self, index: int, config, threads: int) -> None:
             self.commands, self.messages = queue.Queue(), queue.Queue()
+            self.in_order = InOrder(self.commands.put)    # the commands as the front sent them
             self.core = build_replica_core(index, config, threads)
             release_thread_pool()            # serve_replica steps on another thread (host_threads.py)
             threading.Thread(target=serve_or_report, daemon=True,
@@ -200,8 +246,8 @@ def _replica_actor():
         def ready(self):
             return ready_message(self.core)[1]
 
-        def submit(self, message) -> None:
-            self.commands.put(message)
+        def submit(self, seq: int, message) -> None:
+            self.in_order.put(seq, message)
 
         def collect(self, timeout_s: float) -> list:
             try:
@@ -224,6 +270,8 @@ class RayLink:
         self.actor = _replica_actor().options(**options).remote(index, config, threads)
         self.pid = None
         self._stopped = False
+        self._next_seq = 0                                # the next command's number (InOrder, on the actor)
+        self._send_lock = threading.Lock()
 
     def wait_ready(self, timeout_s: float):
         import ray
@@ -250,7 +298,11 @@ class RayLink:
                     return
 
     def send(self, message) -> None:
-        self.actor.submit.remote(message)
+        """Submits the command with the next number; the actor applies the commands in number order. One
+        that Ray cannot submit (cannot serialize) raises here and takes no number: no later one waits on it."""
+        with self._send_lock:
+            self.actor.submit.remote(self._next_seq, message)
+            self._next_seq += 1
 
     def stop(self) -> None:
         import ray

@@ -6,7 +6,12 @@ Each replica (engine/replica_links.py: a process of its own, or a Ray actor with
 distributed_executor_backend="ray") steps continuously while it has work and sends back, after every step,
 the compact ReplicaUpdates of the requests that changed, with its queue lengths. The front keeps its own
 copy of every Request (the LLMEngine's), applies the updates to it and hands the LLMEngine the usual
-CoreUpdates. Aborts finish the front copy at once; a replica's later updates for it are dropped.
+CoreUpdates. Aborts finish the front copy at once; a replica's later updates for it are dropped. Every add
+carries a serial number the replica echoes in its updates, so an update sent before an abort reached the
+replica never lands on a later request that reuses the id (on that replica or another).
+
+An engine dropped without shutdown() stops its replicas when it is garbage-collected (or at interpreter
+exit): a weakref finalizer that holds the replicas, not the engine.
 
 A replica that dies, or whose core raises (it says why, then stops), ends its in-flight requests with an
 error naming it and why; the others keep serving. A replica alive but hung (commands to it never block
@@ -17,9 +22,11 @@ ExecutorFailed (fatal to the engine), even while idle: has_unfinished() is True 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -38,6 +45,7 @@ logger = logging.getLogger("tokenmill")
 class ReplicaUpdate:
     """What one step did to one request, as the front needs it."""
     request_id: str
+    serial: int                      # the serial of the add it belongs to (ReplicatedCore.add_request), echoed
     new_token_ids: list[int]
     new_logprobs: list
     error: str | None
@@ -68,9 +76,17 @@ def replica_load(core) -> ReplicaLoad:
     return ReplicaLoad(len(core.scheduler.waiting), len(core.scheduler.running))
 
 
-def compact_update(u: CoreUpdate) -> ReplicaUpdate:
+@dataclass
+class _InFlight:
+    """A request the front has given a replica and not yet seen finish."""
+    request: Request
+    replica: _Replica
+    serial: int                      # its add's number: only updates that echo it are its own
+
+
+def compact_update(u: CoreUpdate, serial: int) -> ReplicaUpdate:
     r = u.request
-    return ReplicaUpdate(r.request_id, u.new_token_ids, u.new_logprobs, u.error, r.is_finished, r.finish_reason,
+    return ReplicaUpdate(r.request_id, serial, u.new_token_ids, u.new_logprobs, u.error, r.is_finished, r.finish_reason,
                          r.stop_reason, r.num_cached_tokens, r.first_scheduled_time, r.num_preemptions,
                          r.num_spec_steps, r.num_accepted_draft_tokens)
 
@@ -79,12 +95,12 @@ class _StepModelView:
     """What LLMEngine.step_time_model reads: a replica's step-time model, as it last reported it, and how
     many live replicas run steps like it (each its own, side by side: a bound of one times that many)."""
 
-    def __init__(self, core: "ReplicatedCore") -> None:
+    def __init__(self, replicas: list[_Replica]) -> None:
         self.description: dict = {}
-        self.core = core
+        self.replicas = replicas         # the core's list, not the core: no cycle, so a dropped engine is freed at once
 
     def describe(self) -> dict:
-        return {**self.description, "replicas": sum(r.alive for r in self.core.replicas)}
+        return {**self.description, "replicas": sum(r.alive for r in self.replicas)}
 
 
 class _WeightBytes:
@@ -123,6 +139,9 @@ class ReplicatedCore:
             from tokenmill.executor.ray_executor import connect
             connect(config.parallel.ray_address)
         self.replicas: list[_Replica] = []
+        # stops every replica started, once: at shutdown(), or when this core is garbage-collected or the
+        # interpreter exits; it holds the list of replicas (no link refers back to the core)
+        self._stop_replicas = weakref.finalize(self, _stop_links, self.replicas)
         for i in range(num_replicas):
             mine = replace(one, device=f"cuda:{i}") if device.type == "cuda" and not on_ray else \
                 replace(one, device="cuda:0") if device.type == "cuda" else one     # a GPU each
@@ -130,9 +149,9 @@ class ReplicatedCore:
                 PipeLink(i, mine, threads, self.inbox)
             self.replicas.append(_Replica(i, link))
         self.router = Router(num_replicas, config.cache.block_size if enable_prefix_caching else 0)
-        self.requests: dict[str, tuple[Request, _Replica]] = {}
-        self.step_model = _StepModelView(self)               # the first live replica's, as last reported
-        self._closed = False
+        self.requests: dict[str, _InFlight] = {}
+        self._serials = itertools.count()                    # one per add, across replicas
+        self.step_model = _StepModelView(self.replicas)      # the first live replica's, as last reported
         try:
             ready = [r.link.wait_ready(self.start_timeout_s) for r in self.replicas]
         except RuntimeError as e:
@@ -166,10 +185,11 @@ class ReplicatedCore:
         chosen = live[self.router.choose(request.prompt_token_ids, [r.index for r in live])]
         if not chosen.requests:                   # idle until now: its silence so far was no fault
             chosen.last_heard = time.monotonic()
-        chosen.link.send(("add", request))
+        serial = next(self._serials)
+        chosen.link.send(("add", request, serial))
         chosen.requests.add(request.request_id)
         self.router.admitted(chosen.index, request.prompt_token_ids)
-        self.requests[request.request_id] = (request, chosen)
+        self.requests[request.request_id] = _InFlight(request, chosen, serial)
 
     def abort(self, request_ids, reason: FinishReason = FinishReason.ABORT, stop_reason=None) -> list[Request]:
         done, by_replica = [], {}
@@ -177,7 +197,7 @@ class ReplicatedCore:
             entry = self.requests.pop(rid, None)
             if entry is None:
                 continue
-            request, replica = entry
+            request, replica = entry.request, entry.replica
             replica.requests.discard(rid)
             request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, reason, stop_reason
             by_replica.setdefault(replica.index, []).append(rid)
@@ -227,10 +247,12 @@ class ReplicatedCore:
         return updates
 
     def _apply(self, c: ReplicaUpdate) -> CoreUpdate | None:
+        """The update applied to the front's request it belongs to; None (dropped) when that request is no
+        longer in flight: aborted meanwhile, or aborted and its id since reused by a new add (another serial)."""
         entry = self.requests.get(c.request_id)
-        if entry is None:                                         # aborted meanwhile
+        if entry is None or entry.serial != c.serial:
             return None
-        request, replica = entry
+        request, replica = entry.request, entry.replica
         request.all_token_ids.extend(c.new_token_ids)
         request.num_cached_tokens, request.num_preemptions = c.num_cached_tokens, c.num_preemptions
         request.num_spec_steps, request.num_accepted_draft_tokens = c.num_spec_steps, c.num_accepted_draft_tokens
@@ -262,7 +284,7 @@ class ReplicatedCore:
                      sum(r.alive for r in self.replicas))
         out = []
         for rid in sorted(replica.requests):
-            request, _ = self.requests.pop(rid)
+            request = self.requests.pop(rid).request
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
             out.append(CoreUpdate(request, [], [], why, unavailable=True))
         replica.requests.clear()
@@ -295,8 +317,11 @@ class ReplicatedCore:
         return [r.stats if r.alive else None for r in self.replicas]
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for r in self.replicas:
-            r.link.stop()
+        """Stop the replicas (idempotent; afterwards garbage collection has nothing left to stop)."""
+        self._stop_replicas()
+
+
+def _stop_links(replicas: list[_Replica]) -> None:
+    """ReplicatedCore's finalizer: must not refer to the core, or the core could never be collected."""
+    for r in replicas:
+        r.link.stop()
