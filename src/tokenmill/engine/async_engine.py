@@ -3,9 +3,7 @@
 Ownership: only the engine thread touches the LLMEngine, and only it runs parallel torch work while the
 engine runs: the thread that built the engine gives its OpenMP team back first (platforms/host_threads.py).
 Callers send commands (add, abort) through a queue and receive RequestOutputs on a per-request
-asyncio.Queue. A step's outputs go to each caller loop in one call_soon_threadsafe (one wake-up of that
-loop per step, not one per request: each wake-up is a write to the loop's self-pipe, measured at about
-3% of the engine thread in a 7 QPS Server run), in the order the step produced them.
+asyncio.Queue, delivered with call_soon_threadsafe.
 
 Lifetime rules (the loop never dies of a request):
 - a caller may give up at any moment (cancelled while its add is queued, mid-prefill, mid-stream, after
@@ -144,7 +142,8 @@ class AsyncEngine:
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished_requests():
-                    self._deliver_step(self.engine.step())
+                    for out in self.engine.step():
+                        self._deliver(out)
         except BaseException as e:  # noqa: BLE001 - the loop is dead: say so to everyone, never hang
             if self._stop.is_set():              # shutdown() stopped the workers under this step
                 self._stop_serving(EngineDeadError("the engine was shut down"))
@@ -187,22 +186,6 @@ class AsyncEngine:
             if out is not None:
                 self._deliver(out)
 
-    def _deliver_step(self, outs: list[RequestOutput]) -> None:
-        """A step's outputs, grouped by the caller loop they go to: one wake-up per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outs:
-            target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:   # the caller's loop is closed: nobody is listening
-                pass
-
     def _deliver(self, out: RequestOutput | BaseException, request_id: str | None = None) -> None:
         request_id = request_id or out.request_id
         target = self._streams.get(request_id)
@@ -239,9 +222,3 @@ class AsyncEngine:
                 callback(error)
             except Exception:  # noqa: BLE001
                 logger.exception("an on_dead callback failed")
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """On the caller loop: each output onto its request's stream, in step order."""
-    for stream, out in items:
-        stream.put_nowait(out)
