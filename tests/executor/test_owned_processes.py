@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from conftest import process_ended_within
 from tokenmill import LLM, SamplingParams
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two processes need two cores")
@@ -82,15 +83,6 @@ if sys.argv[2] == "killed":
 """                                                 # "exits": without llm.shutdown()
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (an orphan's parent, say a container's PID 1, may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @needs_two_cores
 @pytest.mark.parametrize("parent_end", ["killed", "exits"])
 def test_workers_end_with_their_parent(tiny_model_dir, parent_end):
@@ -104,10 +96,7 @@ def test_workers_end_with_their_parent(tiny_model_dir, parent_end):
         if parent_end == "killed":
             parent.kill()
         assert parent.wait(30) in (0, -signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(_gone(pid) for pid in pids), "a worker outlived its parent"
+        assert all(process_ended_within(pid, 30) for pid in pids), "a worker outlived its parent"
     finally:
         parent.kill()
         parent.wait()
