@@ -207,3 +207,68 @@ def test_prefill_kernel_takes_sinks_and_windows(window):
                                   as_tensor(starts), as_tensor(query_lens), as_tensor(context_lens), block_size,
                                   0.125, max(query_lens), sinks=sinks.to(DEVICE), window=window)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_kernel_multiplies_float32_in_ieee_and_half_types_on_tensor_cores(monkeypatch):
+    """tl.dot's default input precision is tf32 (10-bit mantissas on NVIDIA tensor cores, errors near 1e-3 at
+    these shapes), which the interpreter does not show: the launcher must ask for "ieee" with float32 q."""
+    from tokenmill.layers.attention import triton_kernels
+    assert triton_kernels.dot_precision(torch.float32) == "ieee"
+    assert triton_kernels.dot_precision(torch.bfloat16) == "tf32" and triton_kernels.dot_precision(torch.float16) == "tf32"
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    monkeypatch.setattr(triton_kernels, "_prefill_kernel", Recorder())
+    k_cache = torch.zeros(1, 16, 64)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    for dtype in (torch.float32, torch.bfloat16):
+        paged_prefill_attention(torch.zeros(4, 2, 64, dtype=dtype), k_cache.to(dtype), k_cache.to(dtype),
+                                torch.zeros(1, 2, dtype=torch.int32), as_tensor([0]), as_tensor([4]), as_tensor([4]),
+                                8, 0.125, 4)
+    assert [kw["PRECISION"] for kw in launched] == ["ieee", "tf32"]
+
+
+def test_a_mixed_step_builds_its_kernel_operands_once_for_every_layer(monkeypatch):
+    """Decodes and chunks in one step: the block-table rows, lengths and chunk spans are built by the first
+    layer from the step's metadata and reused by the next layers (on a GPU each torch.tensor(list, device)
+    or CPU-indexed gather per layer was a host sync); outputs as the reference's, layer after layer."""
+    from tokenmill.layers.attention import triton_backend
+    from tokenmill.worker.input_batch import build_attention_metadata
+    kv_heads, group, head_dim, block_size, num_blocks = 2, 2, 64, 8, 30
+    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=11)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    # (start position, new tokens): a decode, a continuation chunk, a decode, a first chunk
+    shapes = [(20, 1), (9, 7), (3, 1), (0, 12)]
+    requests = []
+    for start, n in shapes:
+        need = -(-(start + n) // block_size)
+        requests.append((order[:need], start, n))
+        order = order[need:]
+    meta = build_attention_metadata(requests, block_size)
+    num_tokens = sum(n for _, n in shapes)
+    builds = []
+    real = triton_backend.mixed_step_operands
+    monkeypatch.setattr(triton_backend, "mixed_step_operands", lambda m, d: builds.append(m) or real(m, d))
+    backend, reference = get_backend("triton"), get_backend("reference")
+    for layer in range(3):
+        q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=g)
+        k = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
+        v = torch.randn(num_tokens, kv_heads, head_dim, generator=g)
+        ref = reference.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+        k_layer, v_layer = k_cache.clone(), v_cache.clone()
+        with monkeypatch.context() as m:
+            if layer:             # a later layer makes no host tensor of its own
+                m.setattr(torch, "tensor", lambda *a, **kw: pytest.fail("a torch.tensor in a later layer"))
+            got = backend.forward(q, k, v, k_layer, v_layer, meta, 0.125)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert builds == [meta]
+    ops = backend.step_operands(meta, torch.device("cpu"))
+    assert ops.decode_rows.tolist() == [0, 8] and ops.decode_lens.tolist() == [21, 4]
+    assert ops.prefill_starts.tolist() == [1, 9] and ops.prefill_lens.tolist() == [7, 12]
+    assert ops.prefill_contexts.tolist() == [16, 12] and ops.max_query_len == 12
+    next_step = build_attention_metadata(requests, block_size)
+    backend.step_operands(next_step, torch.device("cpu"))
+    assert builds == [meta, next_step]

@@ -151,3 +151,51 @@ def test_out_of_memory_while_loading_says_what_was_needed(tiny_model_dir, monkey
     with pytest.raises(MemoryError, match=r"ran out of memory loading the weights: the model needs about 0\.\d+ GiB.*"
                                           r"--quantization int8 or int4"):
         LLM(tiny_model_dir, kv_cache_memory_bytes=1 << 22)
+
+
+def test_cuda_kv_budget_is_measured_after_unreferenced_tensors_are_given_back(monkeypatch):
+    """Before mem_get_info: gc.collect() (tensors held only by a cycle) and torch.cuda.empty_cache() (blocks
+    PyTorch's allocator caches), or they count as in use and shrink the pool."""
+    import gc
+    calls = []
+    g = 2 ** 30
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (60 * g, 80 * g))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 15 * g)
+    CUDAPlatform(torch.device("cuda", 0)).kv_cache_bytes(KVMemoryRequest(None, 0.25, 0.9, activation_bytes=0))
+    assert calls == ["collect", "empty_cache", "mem_get_info"]
+
+
+def test_the_uni_executor_makes_its_gpu_the_current_device_in_every_thread(monkeypatch):
+    """device="cuda:1" in one process: torch.cuda.set_device(1) before the runner is built (Triton launches and
+    CUDA graph capture use the current device), and again in a step run from another thread (the current
+    device is per host thread); a CPU engine never touches CUDA."""
+    import threading
+    from types import SimpleNamespace
+    from tokenmill.executor import uni
+    current = threading.local()
+    events = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: (events.append(("set_device", d)),
+                                                            setattr(current, "index", d)))
+
+    class Runner:
+        def __init__(self, config, weights, platform):
+            events.append(("runner", torch.cuda.current_device()))
+
+        def execute(self, sched_out):
+            events.append(("execute", torch.cuda.current_device()))
+
+    monkeypatch.setattr(uni, "ModelRunner", Runner)
+    config = SimpleNamespace(parallel=SimpleNamespace(world_size=1, replicas_sharing_host=1))
+    executor = uni.UniExecutor(config, None, CUDAPlatform(torch.device("cuda", 1)))
+    executor.execute(None)
+    thread = threading.Thread(target=executor.execute, args=(None,))
+    thread.start()
+    thread.join()
+    assert events == [("set_device", 1), ("runner", 1), ("execute", 1), ("set_device", 1), ("execute", 1)]
+    for name in ("current_device", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail("a CPU engine asked CUDA"))
+    monkeypatch.setattr(uni, "ModelRunner", lambda config, weights, platform: SimpleNamespace(execute=lambda s: "ran"))
+    assert uni.UniExecutor(config, None, CPUPlatform(torch.device("cpu"))).execute(None) == "ran"

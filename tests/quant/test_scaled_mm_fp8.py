@@ -67,3 +67,33 @@ def test_shapes_off_the_alignment_are_refused():
     layer, _ = _layer(40, 100, 4)
     with pytest.raises(ValueError, match="multiples of 16"):
         quantize_model(layer, FP8ScaledMMMethod())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_this_cuda_build_takes_the_scaled_mm_calls(dtype, blocks):
+    """On the GPU: this build takes torch._scaled_mm with unit tensor-wise scales and a float32 output (row-wise
+    scales with a float32 output need sm90 and cuBLAS >= 12.9, which older builds lack), and the layer gives
+    the stated arithmetic, row scales and 128 x 128 blocks, from bf16 and float32 inputs."""
+    from tokenmill.quant.activations import fp8_codes
+    n, k = (160, 256) if blocks else (48, 256)
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(k, n)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-1, 0.5, n).unsqueeze(1)
+    layer.weight.data.copy_(w)
+    if blocks:
+        layer.checkpoint_fp8 = [(slice(0, n), "block", torch.rand(2, 2, generator=g) * 0.01 + 0.002)]
+    quantize_model(layer, FP8ScaledMMMethod())
+    layer = layer.cuda()
+    kblock = layer.fp8_kblock
+    assert kblock == (fp8.BLOCK if blocks else k)
+    x = torch.randn(7, k, generator=g).to("cuda", dtype)          # 7 rows: padded to 16 for cuBLAS
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (7, n)
+    xq, xs = fp8_codes(x, kblock)
+    xd = xq.double().cpu() * xs.double().cpu().repeat_interleave(kblock, dim=1)
+    ws = layer.fp8_scale[:, 0, :].t().double().cpu().repeat_interleave(kblock, dim=1)
+    ref = xd @ (layer.fp8_weight.double().cpu() * ws).t()
+    rel = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 8e-3), f"{dtype}, blocks={blocks}: relative error {rel:.3g}"

@@ -3,6 +3,8 @@ Triton linear layers (quant/cuda_*.py), the KV pool sized from the device's free
 `gpu_memory_utilization` like vLLM's, decode steps captured as CUDA graphs (worker/cuda_graphs.py)."""
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from tokenmill.platforms import torch_ops
@@ -44,7 +46,12 @@ class CUDAPlatform(Platform):
 
     def kv_cache_bytes(self, request: KVMemoryRequest) -> int:
         """utilization x the device's memory, less what is in use now (this engine's weights, and anything
-        else on the device) and the activation reserve. An explicit size must fit what is free."""
+        else on the device) and the activation reserve. An explicit size must fit what is free. Tensors
+        no longer referenced (a cycle not yet collected, the blocks PyTorch's allocator caches: load-time
+        temporaries, an engine dropped before this one) are given back to the device first, as vLLM does
+        before it profiles, so that they do not count as in use."""
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device)
         if request.memory_bytes is not None:

@@ -5,7 +5,11 @@
                  128 x 128 block checkpoints); mat2 is the codes' transpose, column-major as cuBLAS wants it.
     activations: quantized to E4M3 as the step runs, per token (scale = the row's amax / 448), or per token
                  and group of 128 inputs for block checkpoints (DeepSeek-V3's recipe).
-    y = sum over input blocks b of (xq_b * xs_b) @ (wq_b * ws_b)^T, accumulated in float32.
+    y = sum over input blocks b of (xq_b * xs_b) @ (wq_b * ws_b)^T, accumulated in float32: each block's
+    xq_b @ wq_b^T by _scaled_mm with unit tensor-wise scales and a float32 output (which torch's CUDA builds
+    take on Hopper from 2.5 on; row-wise scales with a float32 output need sm90 and cuBLAS >= 12.9, older
+    builds refuse them), then times the row and column scales in float32 (the test file's `gpu` test
+    checks this build).
 
 A pre-quantized checkpoint's own activation scheme (quant/activations.py: a static `input_scale`, per
 token, per token group) replaces that default (`take_input_quant`); the kernel quantizes with it, so
@@ -55,6 +59,9 @@ class FP8ScaledMMMethod(FP8Method):
         layer.register_buffer("fp8_weight", q.to(device).contiguous(), persistent=False)           # [N, K]
         # [K / kblock, 1, N]: block b's scale of every output row, as _scaled_mm's (1, N) scale_b
         layer.register_buffer("fp8_scale", scales.t().float().unsqueeze(1).contiguous().to(device), persistent=False)
+        # _scaled_mm's unit tensor-wise scales, made here: not at a step's first call, which may be a CUDA
+        # graph's capture
+        layer.register_buffer("fp8_unit_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         layer.fp8_kblock = kblock
 
     def take_input_quant(self, layer, input_quant) -> None:
@@ -77,11 +84,15 @@ class FP8ScaledMMMethod(FP8Method):
         kblock = layer.fp8_kblock
         xq, xs, group = _activations(x2, kblock, getattr(layer, "fp8_input", None))
         step = min(group, kblock)                         # inputs per GEMM: both scales constant over them
+        one = getattr(layer, "fp8_unit_scale", None)
+        if one is None or one.device != xq.device:
+            one = torch.ones((), dtype=torch.float32, device=xq.device)
         y = None
         for b in range(k // step):                        # one GEMM per input block (one for row scales)
             cols, a, w = slice(b * step, (b + 1) * step), b * step // group, b * step // kblock
-            part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=xs[:, a:a + 1].contiguous(),
-                                    scale_b=layer.fp8_scale[w], out_dtype=torch.float32)
+            part = torch._scaled_mm(xq[:, cols], layer.fp8_weight[:, cols].t(), scale_a=one, scale_b=one,
+                                    out_dtype=torch.float32)                       # the codes' products, summed
+            part.mul_(xs[:, a:a + 1]).mul_(layer.fp8_scale[w])                     # [M, 1] rows, [1, N] columns
             y = part if y is None else y.add_(part)
         y = y[:m].to(x.dtype).reshape(*lead, -1)            # summed in float32, given back in x's dtype
         return self.add_bias(layer, y)

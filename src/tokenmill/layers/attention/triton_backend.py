@@ -4,12 +4,60 @@ without a GPU it runs under Triton's interpreter (TRITON_INTERPRET=1), slowly: f
 Per step: the new keys and values go into the cache, then the single-token queries (decodes) run the
 split decode kernel and the multi-token chunks run the prefill kernel, each over the step's block tables
 (AttentionMetadata.block_tables); gpt-oss's sinks and sliding windows (forward_with_sinks) in the same
-kernels."""
+kernels. A step that mixes decodes and chunks builds the kernels' operands (each kind's rows of the block
+tables, the chunks' starts and lengths) once, from the metadata already on the device, and every layer
+reuses them: no host-to-device copy or host sync per layer."""
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class MixedStepOperands:
+    """What the kernels read in a step of decodes and chunks, the same for every layer."""
+    decode_rows: torch.Tensor | None      # [D] int64 rows of the token batch (None: no decodes)
+    decode_lens: torch.Tensor | None      # [D] context lengths
+    decode_tables: torch.Tensor | None    # [D, most blocks] the decodes' block tables
+    prefill_starts: torch.Tensor | None   # [P] first row of each chunk (None: no chunks)
+    prefill_lens: torch.Tensor | None     # [P] new tokens of each chunk
+    prefill_contexts: torch.Tensor | None # [P] context length of each chunk (its new tokens included)
+    prefill_tables: torch.Tensor | None   # [P, most blocks]
+    max_query_len: int = 0                # the longest chunk
+
+
+def mixed_step_operands(meta: AttentionMetadata, device: torch.device) -> MixedStepOperands:
+    """The step's operands on `device`: device tensors of the metadata where it has them (decode_rows,
+    decode_lens, prefill_spans, block_tables, moved with the step's inputs), gathered by one index copied
+    once; built from the host's spans where it has not (metadata made by hand)."""
+    decodes = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
+    prefills = [i for i, s in enumerate(meta.seqs) if s.query_len > 1]
+    index = torch.tensor(decodes + prefills, dtype=torch.long).to(device, non_blocking=True)  # one small copy a step
+    tables = meta.block_tables.to(device)
+    ops = MixedStepOperands(None, None, None, None, None, None, None)
+    if decodes:
+        d = len(decodes)
+        ops.decode_tables = tables.index_select(0, index[:d])
+        if meta.decode_rows is not None and meta.decode_lens is not None and meta.decode_rows.numel() == d:
+            ops.decode_rows, ops.decode_lens = meta.decode_rows.to(device), meta.decode_lens.to(device)
+        else:
+            host = torch.tensor([[meta.seqs[i].query_start, meta.seqs[i].context_len] for i in decodes],
+                                dtype=torch.long).t().contiguous().to(device)
+            ops.decode_rows, ops.decode_lens = host[0], host[1]
+    if prefills:
+        ops.prefill_tables = tables.index_select(0, index[len(decodes):])
+        spans = meta.prefill_spans
+        if spans is None or spans.shape[0] != len(prefills):
+            spans = torch.tensor([[meta.seqs[i].query_start, meta.seqs[i].query_len, meta.seqs[i].context_len]
+                                  for i in prefills], dtype=torch.long)
+        columns = spans.to(device).t().contiguous()                                # [3, P]: each row contiguous
+        ops.prefill_starts, ops.prefill_lens, ops.prefill_contexts = columns[0], columns[1], columns[2]
+        ops.max_query_len = max(meta.seqs[i].query_len for i in prefills)
+    return ops
 
 
 class TritonAttention(AttentionBackend):
@@ -18,6 +66,8 @@ class TritonAttention(AttentionBackend):
     def __init__(self) -> None:
         from tokenmill.layers.attention import triton_kernels   # imports triton: only when chosen
         self.kernels = triton_kernels
+        self._step_meta = None            # weakref to the metadata _step_ops were built for
+        self._step_ops: MixedStepOperands | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         return self.forward_with_sinks(q, k, v, k_cache, v_cache, meta, scale, None, None, kv_scales)
@@ -36,30 +86,21 @@ class TritonAttention(AttentionBackend):
                                                       meta.decode_lens, meta.block_size, scale, kv_scales=kv_scales,
                                                       **extra)
             return out.view(num_tokens, num_heads * head_dim)
+        ops = self.step_operands(meta, q.device)
         out = torch.empty_like(q)
-        decodes = [i for i, s in enumerate(meta.seqs) if s.query_len == 1]
-        prefills = [i for i, s in enumerate(meta.seqs) if s.query_len > 1]
-        if decodes:
-            self._decode(q, k_cache, v_cache, meta, scale, decodes, out, kv_scales, extra)
-        if prefills:
-            self._prefill(q, k_cache, v_cache, meta, scale, prefills, out, kv_scales, extra)
+        if ops.decode_rows is not None:
+            out[ops.decode_rows] = self.kernels.paged_decode_attention(
+                q[ops.decode_rows].contiguous(), k_cache, v_cache, ops.decode_tables, ops.decode_lens,
+                meta.block_size, scale, kv_scales=kv_scales, **extra)
+        if ops.prefill_starts is not None:
+            self.kernels.paged_prefill_attention(                # the chunks' rows of out, in place
+                q, k_cache, v_cache, ops.prefill_tables, ops.prefill_starts, ops.prefill_lens, ops.prefill_contexts,
+                meta.block_size, scale, ops.max_query_len, out=out, kv_scales=kv_scales, **extra)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out,
-                kv_scales, extra) -> None:
-        seqs = [meta.seqs[i] for i in idx]
-        rows = torch.tensor([s.query_start for s in seqs], dtype=torch.long, device=q.device)
-        lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=q.device)
-        tables = meta.block_tables[torch.tensor(idx, dtype=torch.long)].to(q.device)
-        out[rows] = self.kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, tables, lens,
-                                                        meta.block_size, scale, kv_scales=kv_scales, **extra)
-
-    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, idx: list[int], out,
-                 kv_scales, extra) -> None:
-        seqs = [meta.seqs[i] for i in idx]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
-        tables = meta.block_tables[torch.tensor(idx, dtype=torch.long)].to(q.device)
-        self.kernels.paged_prefill_attention(
-            q, k_cache, v_cache, tables, as_tensor([s.query_start for s in seqs]),
-            as_tensor([s.query_len for s in seqs]), as_tensor([s.context_len for s in seqs]), meta.block_size,
-            scale, max(s.query_len for s in seqs), out=out, kv_scales=kv_scales, **extra)   # the chunks' rows of out, in place
+    def step_operands(self, meta: AttentionMetadata, device: torch.device) -> MixedStepOperands:
+        """mixed_step_operands of this step's metadata: built by the first layer, reused by the rest."""
+        if self._step_meta is None or self._step_meta() is not meta or self._step_ops is None:
+            self._step_ops = mixed_step_operands(meta, device)
+            self._step_meta = weakref.ref(meta)
+        return self._step_ops

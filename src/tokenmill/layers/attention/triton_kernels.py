@@ -54,6 +54,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    head_base = kvh.to(tl.int64) * stride_kh        # int64: kv heads x slots x head_dim can pass 2^31
     seq_len = tl.load(lens_ptr + b)
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D)
@@ -73,7 +74,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr
         pos = i * BLOCK + t
         valid = (pos < seq_len) & (pos >= lo)
         block = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
-        offs = kvh * stride_kh + (block * BLOCK + t)[:, None] * stride_ks + d[None, :]
+        offs = head_base + (block * BLOCK + t)[:, None] * stride_ks + d[None, :]
         k = _cached(k_ptr + offs, valid[:, None], k_scale_ptr + kvh, FP8)             # [BLOCK, D] float32
         v = _cached(v_ptr + offs, valid[:, None], v_scale_ptr + kvh, FP8)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                   # [GROUP_P, BLOCK]
@@ -146,7 +147,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctxlens_ptr, k_scale_ptr,
                     v_scale_ptr, sinks_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_ks,
                     stride_tb, scale, window, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     qblock = tl.program_id(1)
     h = tl.program_id(2)
@@ -155,10 +157,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
         q_start = tl.load(starts_ptr + seq)
         ctx_len = tl.load(ctxlens_ptr + seq)
         kvh = h // GROUP
+        head_base = kvh.to(tl.int64) * stride_kh    # int64: kv heads x slots x head_dim can pass 2^31
         rows = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < q_len
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        q = tl.load(q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=rmask[:, None], other=0.0)                                   # [BLOCK_M, D]
         q_pos = ctx_len - q_len + rows                                                # absolute positions
         hi = tl.minimum(ctx_len, ctx_len - q_len + (qblock + 1) * BLOCK_M)            # causal end of the block
@@ -170,10 +173,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             pos = start + tl.arange(0, BLOCK_N)
             pmask = pos < hi
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-            offs = kvh * stride_kh + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
+            offs = head_base + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_ks + d[None, :]
             k = _cached(k_ptr + offs, pmask[:, None], k_scale_ptr + kvh, FP8).to(q.dtype)  # [BLOCK_N, D]
             v = _cached(v_ptr + offs, pmask[:, None], v_scale_ptr + kvh, FP8).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                         # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale   # [BLOCK_M, BLOCK_N]
             keep = (pos[None, :] <= q_pos[:, None]) & pmask[None, :] & rmask[:, None]
             keep = keep & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
             s = tl.where(keep, s, float("-inf"))
@@ -181,13 +184,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                     # rows with nothing yet
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         if HAS_SINKS:
             l += tl.exp(tl.load(sinks_ptr + h) - m)                                   # padding rows: m = -inf
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -211,8 +214,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                           out.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), scale,
                           window or 0, GROUP=num_heads // k_cache.shape[0], D=head_dim, BLOCK_SIZE=block_size,
                           BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, FP8=kv_scales is not None,
-                          HAS_SINKS=sinks is not None)
+                          HAS_SINKS=sinks is not None, PRECISION=dot_precision(q.dtype))
     return out
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The prefill kernel's tl.dot input_precision for operands of `dtype`: "ieee" for float32 (Triton's default,
+    "tf32", would round them to 10 mantissa bits on NVIDIA tensor cores: errors near 1e-3, which the
+    interpreter does not show), "tf32" otherwise (ignored for 16-bit operands, which run at their own precision)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _sinks_operand(sinks: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:

@@ -56,15 +56,17 @@ def _kernel():
         if expert < num_experts:
             rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
             rmask = rows < num_rows
+            rows = rows.to(tl.int64)                  # int64 offsets: experts x N x K can pass 2^31 elements
             rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = rn < N
+            w_cols = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn   # [1, BLOCK_N]
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 kmask = rk < K
                 a = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=rmask[:, None] & kmask[None, :],
                             other=0.0)
-                w = tl.load(w_ptr + expert * stride_we + rn[None, :] * stride_wn + rk[:, None],
+                w = tl.load(w_cols + rk[:, None],
                             mask=nmask[None, :] & kmask[:, None], other=0.0)              # [BLOCK_K, BLOCK_N]
                 acc += tl.dot(a, w, input_precision=PRECISION)
             tl.store(y_ptr + rows[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
