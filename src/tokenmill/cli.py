@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 import time
+import traceback
 
 from tokenmill.config import EngineArgs
 from tokenmill.sampling_params import SamplingParams
@@ -102,9 +103,13 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
-    parser.add_argument("--log-level", default="INFO", help="level of tokenmill's own log (start-up report, ...)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="level of tokenmill's own log (start-up report, ...), any case")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
     gen.add_argument("prompt")
@@ -138,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("tokenmill").setLevel(ns.log_level.upper())
+    logging.getLogger("tokenmill").setLevel(ns.log_level)
     try:
         return ns.func(ns)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:     # OSError: FileNotFoundError, a bad tokenizer
         print(f"tokenmill: error: {e}", file=sys.stderr)
+        if ns.log_level == "DEBUG":            # an internal error's place stays findable
+            traceback.print_exc()
+        elif isinstance(e, RuntimeError):
+            print("tokenmill: (--log-level debug prints where it was raised)", file=sys.stderr)
         return 2
 
 

@@ -5,7 +5,9 @@
      "engine_args": {"scheduling_policy": "slo", "max_num_seqs": 24, ...},   # EngineArgs fields only
      "tuned": {...}}                                                         # how they were found (ignored)
 
-Explicit arguments win over the file (LLM keyword arguments; CLI flags given a non-default value).
+Each value must have its EngineArgs field's type (true/false for a boolean, an integer for an int field;
+speculative_config a JSON object as --speculative-config takes). Explicit arguments win over the file (LLM
+keyword arguments; the engine flags given on the command line, whatever their value).
 """
 from __future__ import annotations
 
@@ -41,10 +43,12 @@ def read_engine_args(path: str) -> dict:
     if unknown:
         raise ValueError(f"config file {path!r}: unknown engine arguments {unknown}; expected EngineArgs fields "
                          f"such as {sorted(known)[:8]} ...")
+    from tokenmill.config import check_engine_arg
     for name, value in args.items():
-        if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise ValueError(f"config file {path!r}: {name} must be a number, string, boolean or null, "
-                             f"got {type(value).__name__}")
+        try:
+            check_engine_arg(name, value)      # its field's type; speculative_config's object as --speculative-config
+        except ValueError as e:
+            raise ValueError(f"config file {path!r}: {e}") from None
     return dict(args)
 
 

@@ -151,6 +151,29 @@ def test_rtn_needs_no_calibration_and_moe_is_refused(tiny_model_factory, tmp_pat
     assert "damp must be in [0, 1)" in capsys.readouterr().err
 
 
+def test_an_out_that_is_the_model_or_a_file_is_refused_before_any_work(tiny_model_factory, tmp_path, monkeypatch,
+                                                                       capsys):
+    """--out naming the model's own directory (or a link to it) would overwrite the checkpoint being read, an
+    existing file cannot hold one: both refused before the model writes its calibration text."""
+    import tokenmill
+    from tokenmill.cli import main
+    src = tiny_model_factory("llama")
+    before = {name: os.path.getmtime(os.path.join(src, name)) for name in os.listdir(src)}
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("calibration started")
+    monkeypatch.setattr(tokenmill, "LLM", no_work)
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    for out in (src, src + "/", str(link)):
+        assert main(["quantize", "--model", src, "--out", out]) == 2
+        assert f"--out {out!r} is the model's own directory" in capsys.readouterr().err
+    assert {name: os.path.getmtime(os.path.join(src, name)) for name in os.listdir(src)} == before
+    (tmp_path / "afile").write_text("")
+    assert main(["quantize", "--model", src, "--out", str(tmp_path / "afile")]) == 2
+    assert "is an existing file; expected a directory" in capsys.readouterr().err
+
+
 def test_sequential_calibration_reads_each_layer_after_the_rounded_ones(tiny_model_factory):
     """Layer 0 sees the float model's inputs (nothing before it is rounded), so sequential and one-pass GPTQ
     agree there; layer 1 is calibrated on layer 0's rounded output, as H read from that model gives it

@@ -1,8 +1,11 @@
 """The n-gram proposer: the latest earlier occurrence of the longest matching suffix, k tokens after it;
-incremental indexing agrees with a brute-force search on random sequences as they grow."""
+incremental indexing agrees with a brute-force search on random sequences as they grow; speculative_config's
+keys are type-checked, and one prompt lookup bound given alone sets the other (vLLM's rule)."""
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.spec import make_proposer
@@ -48,3 +51,28 @@ def test_cut_back_tokens_reset_the_index():
     assert p.propose("r", [9, 8], 2) == []              # shorter than indexed: rebuilt, no stale match
     p.drop("r")
     assert "r" not in p.indexes
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("prompt_lookup_min", "2", r"prompt_lookup_min must be an integer or null \(None\), got '2' \(str\)"),
+    ("adaptive", "false", r"adaptive must be a boolean \(true or false\), got 'false' \(str\)"),
+    ("method", ["ngram"], r"method must be a string, got \['ngram'\] \(list\)"),
+    ("num_speculative_tokens", True, r"num_speculative_tokens must be an integer, got True \(bool\)"),
+    ("relaxed_delta", "0.1", r"relaxed_delta must be a number, got '0.1' \(str\)")])
+def test_speculative_config_values_must_have_their_keys_types(key, value, match):
+    with pytest.raises(ValueError, match=f"^speculative_config: {match}"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, key: value})
+
+
+def test_one_prompt_lookup_bound_sets_the_other_as_in_vllm():
+    def lookup(**given):
+        c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, **given})
+        return c.prompt_lookup_min, c.prompt_lookup_max
+    assert lookup() == (1, 4)
+    assert lookup(prompt_lookup_min=5) == (5, 5)
+    assert lookup(prompt_lookup_max=2) == (2, 2)
+    assert lookup(prompt_lookup_min=2, prompt_lookup_max=3) == (2, 3)
+    with pytest.raises(ValueError, match="need 1 <= prompt_lookup_min <= prompt_lookup_max, got 3 and 2"):
+        lookup(prompt_lookup_min=3, prompt_lookup_max=2)
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "relaxed_delta": 0}')
+

@@ -125,6 +125,18 @@ def test_bad_training_options_are_clear_errors(tiny_model_dir, tmp_path, capsys)
     assert "--steps and --num-prompts must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lr", ["0", "-1e-3", "nan"])
+def test_a_non_positive_lr_is_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, capsys, lr):
+    import tokenmill
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("training data generation started")
+    monkeypatch.setattr(tokenmill, "LLM", no_work)
+    assert main(["train-mtp", "--model", tiny_model_dir, "--out", str(tmp_path / "o"), f"--lr={lr}"]) == 2
+    assert f"train-mtp: --lr must be > 0, got {float(lr)}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_summary_requests_alternate_forms_and_mlperf_ones_decode_past_eos(tiny_model_dir):
     """"both" alternates the chat template's request with MLPerf's prompt; the latter decode exactly max_tokens
     (EOS ignored), as the summarization benchmarks decode."""

@@ -17,7 +17,8 @@ from tokenmill.bench.session import BenchConfig
 SCENARIO_OF = {"offline": "Offline", "server": "Server", "find-peak": "Server", "sweep": "Server"}
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, report: bool = True) -> None:
+    """The options every bench command takes; report=False (tune): without those of the report it writes."""
     from tokenmill.config import EngineArgs
     t = p.add_argument_group("target (in-process engine unless --url)")
     t.add_argument("--url", default=None, help="OpenAI-compatible server base URL (e.g. http://127.0.0.1:8000)")
@@ -46,10 +47,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "Server's, 100); fewer marks them as development runs")
     r.add_argument("--temperature", type=float, default=None, help="default: greedy (MLPerf)")
     r.add_argument("--request-timeout-s", type=float, default=None)
-    o = p.add_argument_group("output and efficiency")
+    o = p.add_argument_group("output and efficiency" if report else "output")
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+    if not report:
+        return
     o.add_argument("--out-dir", default="results/bench")
     o.add_argument("--name", default=None, help="file stem of the report (default: the subcommand)")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
     o.add_argument("--strict", action="store_true", help="exit 1 when a run is INVALID")
     o.add_argument("--mem-bandwidth-gbs", type=float, default=None, help="memory bandwidth, GB/s")
     o.add_argument("--usd-per-hour", type=float, default=None, help="system price for cost per million tokens")
@@ -94,6 +97,10 @@ def add_bench_parser(subparsers) -> None:
     p.set_defaults(func=cmd_sweep)
 
 
+# BenchConfig fields of the report's efficiency section only (tune takes none of them)
+REPORT_ONLY = ("mem_bandwidth_gbs", "usd_per_hour", "weights_bytes", "kv_bytes_per_token")
+
+
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     profile = get_profile(ns.profile, ns.ttft_ms, ns.tpot_ms)
     if ns.mlperf_conf:
@@ -108,8 +115,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
                        num_samples=ns.num_samples, prompt_len=ns.prompt_len, output_len=ns.output_len,
                        exact_output=ns.exact_output, vocab_size=ns.vocab_size, temperature=ns.temperature,
                        seed=ns.seed, request_timeout_s=ns.request_timeout_s, progress=ns.progress,
-                       mem_bandwidth_gbs=ns.mem_bandwidth_gbs, usd_per_hour=ns.usd_per_hour,
-                       weights_bytes=ns.weights_bytes, kv_bytes_per_token=ns.kv_bytes_per_token)
+                       **{k: getattr(ns, k, None) for k in REPORT_ONLY})
 
 
 def _with_length_options(profile: Profile, ns: argparse.Namespace) -> Profile:

@@ -90,6 +90,17 @@ def check_dense(hf_config) -> None:
                              "mixture-of-experts models are not supported yet (dense models only)")
 
 
+def check_out(out: str, model_path: str) -> None:
+    """--out must be a directory to create or fill: neither an existing file nor the model's own directory
+    (the checkpoint written there would replace the one being read). Checked before any work."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"quantize: --out {out!r} is an existing file; expected a directory (new or existing) "
+                         "for the quantized checkpoint")
+    if os.path.isdir(out) and os.path.samefile(out, model_path):
+        raise ValueError(f"quantize: --out {out!r} is the model's own directory ({model_path!r}); writing there "
+                         "would overwrite the checkpoint being quantized: choose another directory")
+
+
 @torch.no_grad()
 def float_model(source) -> nn.Module:
     """The checkpoint as Hugging Face's float32 model of its architecture, weights read by tokenmill's

@@ -13,7 +13,8 @@ def add_quantize_parser(sub) -> None:
     d, g = QuantizeConfig(), GPTQConfig()
     p = sub.add_parser("quantize", help="write an FP8 (E4M3) checkpoint of a float model, GPTQ-rounded")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the default model)")
-    p.add_argument("--out", required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--out", required=True,
+                   help="directory for the quantized checkpoint (created if missing; not the model's own)")
     p.add_argument("--scheme", default="fp8", choices=["fp8"], help="the number format written")
     p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
                    help="one FP8 scale per tensor, per output row (channel) or per 128 x 128 block")
@@ -56,6 +57,7 @@ def cmd_quantize(ns) -> int:
                                  tuning=ScaleTuningConfig(epochs=ns.tune_scales_epochs, lr=ns.tune_scales_lr))
     console, t0 = Console(stderr=True), time.perf_counter()
     source = open_model_source(ns.model)
+    offline.check_out(ns.out, source.path)
     offline.check_dense(source.hf_config)
     with Progress(console=console) as progress:
         hessians, tokens, tuning = None, 0, None

@@ -49,6 +49,8 @@ def cmd_train_mtp(ns) -> int:
     if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2 or cfg.num_summaries < 0 or cfg.draft_vocab_size < 0:
         raise ValueError("train-mtp: --steps and --num-prompts must be >= 1, --max-tokens >= 2 and "
                          "--num-summaries and --draft-vocab-size >= 0")
+    if not cfg.lr > 0:                     # NaN included
+        raise ValueError(f"train-mtp: --lr must be > 0, got {ns.lr}")
     prompts = eval_prompts(ns.eval_dataset) if ns.eval_dataset else None     # bad files fail before the work
     os.makedirs(ns.out, exist_ok=True)
     console, t0 = Console(stderr=True), time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 import time
 
@@ -15,18 +16,19 @@ from tokenmill.tune.search import DEFAULT_SPACE, Trial, coordinate_search, parse
 def add_tune_parser(subparsers) -> None:
     from tokenmill.bench.cli import _add_common
     p = subparsers.add_parser("tune", help="search engine settings for the highest Server peak QPS; writes a config file")
-    _add_common(p)
+    _add_common(p, report=False)           # no report is written: none of its options
     g = p.add_argument_group("search")
     g.add_argument("--space", action="append", default=None, metavar="KNOB=V1,V2",
                    help="a knob and its values (repeatable; default: " +
                         "; ".join(f"{k}={','.join(map(str, v))}" for k, v in DEFAULT_SPACE.items()) + ")")
-    g.add_argument("--max-trials", type=int, default=None)
+    g.add_argument("--max-trials", type=int, default=None, help="at most this many trials, >= 1 (default: no cap)")
     g.add_argument("--time-budget-s", type=float, default=None, help="no new trial starts after this")
     g.add_argument("--start-qps", type=float, default=0.25, help="first trial's find-peak lower bound")
     g.add_argument("--precision", type=float, default=0.1)
     g.add_argument("--max-runs", type=int, default=8, help="Server runs per trial's find-peak")
     g.add_argument("--max-query-count", type=int, default=None)
-    g.add_argument("--out", default="tokenmill-tuned.json", help="config file to write the best settings to")
+    g.add_argument("--out", default="tokenmill-tuned.json",
+                   help="config file to write the best settings to (its directory must exist and be writable)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -41,15 +43,15 @@ def _measure(base_cfg, ns):
         search = PeakSearchConfig(start, ns.precision, ns.max_runs, min_duration_s=base_cfg.profile.min_duration_s,
                                   min_query_count=base_cfg.profile.server_min_query_count,
                                   max_query_count=ns.max_query_count, seed=ns.seed)
-        cfg = dataclasses.replace(base_cfg, engine_args=dataclasses.replace(base_cfg.engine_args, **settings),
-                                  progress=False)
 
         async def go():
+            cfg = dataclasses.replace(base_cfg, engine_args=dataclasses.replace(base_cfg.engine_args, **settings),
+                                      progress=False)
             async with BenchSession(cfg) as session:
                 return await find_peak(session, search)
         try:
             peak = asyncio.run(go())
-        except (ValueError, RuntimeError, OSError) as e:
+        except (ValueError, TypeError, RuntimeError, OSError) as e:     # a setting the engine refuses, ...
             return Trial(settings, None, None, False, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
         tps = peak.peak.result.metrics.completed_tokens_per_s if peak.peak else None
         if peak.peak_qps and (best["qps"] is None or peak.peak_qps > best["qps"]):
@@ -72,6 +74,26 @@ def trial_table(trials: list[Trial], best: Trial | None):
     return table
 
 
+def check_options(ns: argparse.Namespace) -> None:
+    """What can be refused before the first trial: --max-trials, and an --out that could not be written
+    after the search."""
+    if ns.max_trials is not None and ns.max_trials < 1:
+        raise ValueError(f"--max-trials must be >= 1 (leave it out for no cap), got {ns.max_trials}")
+    check_out(ns.out)
+
+
+def check_out(path: str) -> None:
+    """--out names a file whose directory exists and is writable."""
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path!r} is a directory; expected the config file's path, e.g. "
+                         f"{os.path.join(path, 'tokenmill-tuned.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path!r}: its directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path!r}: its directory {folder!r} is not writable")
+
+
 def cmd_tune(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -81,6 +103,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print("tokenmill tune: error: tune runs the engine in-process; --url is not supported", file=sys.stderr)
         return 2
     try:
+        check_options(ns)
         space = parse_space(ns.space)
         base = config_from_args(ns)
     except ValueError as e:
@@ -88,7 +111,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         return 2
     console = Console()
     measure = _measure(base, ns)
-    with Progress(console=console) as progress:
+    with Progress(console=console, disable=not ns.progress) as progress:
         task = progress.add_task("trials", total=ns.max_trials or sum(len(v) for v in space.values()))
 
         def on_trial(t: Trial) -> None:

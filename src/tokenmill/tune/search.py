@@ -44,7 +44,8 @@ class TuneResult:
 
 def parse_space(specs: list[str] | None) -> dict[str, list]:
     """`knob=v1,v2` strings over DEFAULT_SPACE (ints, floats, none, true/false, names, or JSON objects such
-    as speculative_config's: `speculative_config=none,{"method": "ngram", "num_speculative_tokens": 4}`)."""
+    as speculative_config's: `speculative_config=none,{"method": "ngram", "num_speculative_tokens": 4}`),
+    each value checked against its EngineArgs field's type."""
     if not specs:
         return dict(DEFAULT_SPACE)
     from tokenmill.config_file import _engine_fields
@@ -57,7 +58,7 @@ def parse_space(specs: list[str] | None) -> dict[str, list]:
         if name not in known or name in ("model", "tokenizer"):
             raise ValueError(f"search space entry {spec!r}: {name!r} is not a tunable engine argument")
         try:
-            space[name] = [_value(v.strip()) for v in _split_values(values)]
+            space[name] = [_knob_value(name, v.strip()) for v in _split_values(values)]
         except ValueError as e:
             raise ValueError(f"search space entry {spec!r}: {e}") from None
     return space
@@ -82,6 +83,14 @@ def _split_values(text: str) -> list[str]:
     if depth or quoted:
         raise ValueError("unbalanced braces, brackets or quotes")
     return parts + [text[start:]]
+
+
+def _knob_value(knob: str, text: str):
+    """`text` read as a value (_value) that EngineArgs' field `knob` takes (ValueError naming both if not)."""
+    from tokenmill.config import check_engine_arg
+    value = _value(text)
+    check_engine_arg(knob, value)
+    return value
 
 
 def _value(text: str):
