@@ -101,13 +101,15 @@ def test_bad_shapes_are_a_clear_error():
                                torch.ones(1, dtype=torch.int32), 6, 0.1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
-def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_factory, arch):
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("gpt_oss", {}),
+                                              ("mistral", {"tie_word_embeddings": False, "sliding_window": 4})])
+def test_the_engine_on_the_triton_backend_gives_the_reference_tokens(tiny_model_factory, arch, overrides):
     """End to end on a tiny model: decodes, prefill chunks split by a small token budget (continuations
     over a cached prefix), prefix-cache hits on the second pass; same tokens and logprobs as the reference
-    (gpt-oss: its sinks and a window of 4 on layer 0 in the kernels, against sinks.py's torch ops)."""
+    (gpt-oss: its sinks and a window of 4 on layer 0 in the kernels, against sinks.py's torch ops; Mistral:
+    a window of 4 on every layer, no sinks)."""
     from tokenmill import LLM, SamplingParams
-    tiny_model_dir = tiny_model_factory(arch)
+    tiny_model_dir = tiny_model_factory(arch, **overrides)
     prompts = ["a short one", "a somewhat longer prompt that the small token budget prefills in chunks " * 2,
                [5, 6, 7, 8, 9, 10, 11, 12, 13]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)

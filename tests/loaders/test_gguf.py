@@ -340,6 +340,19 @@ def test_error_unsupported_type(tmp_path):
     assert dict((n, t) for n, t, _, _ in f.iter_raw())["model.layers.0.mlp.down_proj.weight"] == "Q2_K"
 
 
+def test_error_unsupported_type_when_int4_takes_the_rest_directly(tmp_path, tiny_model_factory):
+    """quantization="int4" takes Q4_1 blocks as they are and dequantizes the rest: a Q2_K tensor among them
+    gets the float path's error, not a bare KeyError from the dequantizer."""
+    from tokenmill import LLM
+    path = tmp_path / "q4_1-q2k.gguf"
+    write_random_blocks_file(path, {"*": T.Q4_1, "blk.0.ffn_down.weight": T.Q2_K})
+    tokenizer = tiny_model_factory("llama")
+    for quantization in (None, "int4"):
+        with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.ffn_down\.weight' has ggml type Q2_K, which cannot "
+                                            r"be dequantized; supported: F32, "):
+            LLM(str(path), tokenizer=tokenizer, quantization=quantization, kv_cache_memory_bytes=1 << 22)
+
+
 def test_error_unknown_architecture(tmp_path):
     path = tmp_path / "other.gguf"
     writer = gguf.GGUFWriter(str(path), "gptneox")

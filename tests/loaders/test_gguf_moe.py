@@ -246,3 +246,16 @@ def test_deepseek_v2_gguf_is_rejected_by_name(tmp_path):
     _finish(w)
     with pytest.raises(GGUFError, match="DeepSeek-V2"):
         GGUFFile(path).hf_config()
+
+
+def test_a_deepseek2_gguf_without_a_gating_function_is_taken_for_v2(tmp_path):
+    """DeepSeek-V2 / V2.5 files converted before llama.cpp's V3 support have no expert_gating_func, which
+    llama.cpp reads as softmax (V2): refused as V2, not run as V3 with sigmoid routing."""
+    from tokenmill.loaders.gguf import GGUFError, GGUFFile
+    path = str(tmp_path / "v2-no-key.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    _finish(w)
+    with pytest.raises(GGUFError, match=r"deepseek2 file with no deepseek2\.expert_gating_func \(softmax, as "
+                                        r"llama\.cpp reads it: DeepSeek-V2 / V2\.5\); only DeepSeek-V3 / R1"):
+        GGUFFile(path).hf_config()

@@ -25,6 +25,15 @@ VARIANTS = {
     "gpt-oss": ("gpt_oss", {}),
     # head dim 64: the native CPU kernels take the sinks and the window (a window of 8 on layer 0)
     "gpt-oss-native-attention": ("gpt_oss", dict(head_dim=64, sliding_window=8)),
+    "gpt-oss-no-attention-bias": ("gpt_oss", dict(attention_bias=False)),
+    # sliding windows shorter than the prompts on every layer; Qwen3-MoE's attention_bias biases o_proj too
+    "mixtral-window": ("mixtral", dict(sliding_window=4)),
+    "qwen3-moe-window-bias": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, attention_bias=True)),
+    # hidden_act in the experts (the grouped kernels) and the dense layers
+    "mixtral-gelu-tanh": ("mixtral", dict(hidden_act="gelu_pytorch_tanh")),
+    # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj; GELU in every MLP, the shared experts too
+    "deepseek-v3-bias-gelu": ("deepseek_v3", dict(attention_bias=True, hidden_act="gelu")),
+    "deepseek-v3-plain-bias": ("deepseek_v3", dict(q_lora_rank=None, attention_bias=True)),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

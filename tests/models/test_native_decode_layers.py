@@ -63,6 +63,31 @@ def test_an_fp8_kv_cache_runs_the_native_layers_as_the_per_op_path(tiny_model_fa
         assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
 
 
+@pytest.mark.parametrize("mode", [None, "int8", "fp8"])
+def test_biased_o_proj_and_mlp_run_in_the_native_layers(tiny_model_factory, mode):
+    """Llama's attention_bias (o_proj's bias too) and mlp_bias (gate/up and down): every DecodeLinear adds its
+    bias as Linear.forward does."""
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    bound, native = run(model_dir, mode, True, PROMPTS[:3])
+    unbound, per_op = run(model_dir, mode, False, PROMPTS[:3])
+    assert bound and not unbound
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(native, per_op):
+        assert tokens_a == tokens_b
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", dict(hidden_act="gelu")),
+                                            ("mistral", dict(sliding_window=4)),
+                                            ("qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                                           max_window_layers=1))])
+def test_other_activations_and_sliding_windows_keep_the_per_op_path(tiny_model_factory, arch, overrides):
+    """The native layers compute SwiGLU over the whole context: a model with another hidden_act or a sliding
+    window has no program (tests/models/test_parity.py checks its per-op logits against transformers)."""
+    llm = LLM(tiny_model_factory(arch, **overrides), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22)
+    assert llm.engine.core.runner.model.dense_decoder() is None
+    assert llm.engine.core.runner.fused_decode is None
+
+
 def test_w8a8_keeps_the_per_op_path(tiny_model_factory):
     bound, _ = run(tiny_model_factory("llama"), "w8a8", True, PROMPTS[:1])
     assert not bound

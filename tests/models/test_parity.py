@@ -16,6 +16,17 @@ VARIANTS = {
     "llama-mha": ("llama", dict(num_key_value_heads=4)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False)),
     "mistral": ("mistral", dict(tie_word_embeddings=False, sliding_window=None)),
+    # sliding windows shorter than the prompts, through chunked prefill and decodes: every layer (Mistral),
+    # the layers from max_window_layers on (Qwen2); head dim 64: the CPU's native windowed kernels
+    "mistral-window": ("mistral", dict(tie_word_embeddings=False, sliding_window=4)),
+    "mistral-window-native-attention": ("mistral", dict(tie_word_embeddings=False, sliding_window=5, head_dim=64)),
+    "qwen2-window": ("qwen2", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=1)),
+    # hidden_act other than SiLU (the per-op path: the native decoder layers compute SwiGLU only)
+    "llama-gelu": ("llama", dict(hidden_act="gelu")),
+    "llama-gelu-tanh": ("llama", dict(hidden_act="gelu_pytorch_tanh")),
+    # attention_bias (q/k/v and o) and mlp_bias (gate/up and down), native decoder layers included
+    "llama-biases": ("llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
 }
 
 
@@ -80,8 +91,12 @@ def test_logits_match_transformers(tiny_model_factory, variant, backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_prefix_cache_hits_keep_logits_exact(tiny_model_factory, backend):
-    model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
+@pytest.mark.parametrize("arch,overrides", [("llama", dict(tie_word_embeddings=True)),
+                                            ("mistral", dict(tie_word_embeddings=False, sliding_window=4))])
+def test_prefix_cache_hits_keep_logits_exact(tiny_model_factory, backend, arch, overrides):
+    """A hit's blocks hold every position's keys and values (a windowed layer's too: it attends to the last
+    `window` of them), so the rest of the prompt and the decodes see what a fresh prefill gives."""
+    model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(model_dir, attention_backend=backend, block_size=4, kv_cache_memory_bytes=1 << 22)
     captured = capture_logits(llm)
     shared = prompts(2, [21])[0]

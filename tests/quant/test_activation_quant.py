@@ -284,6 +284,27 @@ def test_unsupported_activation_schemes_are_named(tiny_model_factory, tmp_path, 
         LLM(out, kv_cache_memory_bytes=1 << 22)
 
 
+@pytest.mark.parametrize("layout,group_size,hidden", [("deepseek-fp8", None, 64), ("ct-fp8-token", 48, 256)])
+def test_token_groups_that_do_not_divide_the_input_are_refused_at_load(tiny_model_factory, tmp_path, layout,
+                                                                       group_size, hidden):
+    """DeepSeek's dynamic groups of 128 on a 64-wide model (its weights' partial blocks load), compressed-tensors'
+    groups of 48 on 256 inputs: every request would fail, so loading does, naming the layer and the scheme."""
+    src = tiny_model_factory("llama", tie_word_embeddings=False, hidden_size=hidden, intermediate_size=384)
+    out = str(tmp_path / "groups")
+    _write(src, out, layout)
+    if group_size:
+        cfg_path = os.path.join(out, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "float", "strategy": "group", "group_size": group_size, "dynamic": True}
+        json.dump(cfg, open(cfg_path, "w"))
+    group = group_size or 128
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.gate_up_proj: the checkpoint declares fp8 "
+                                         rf"activations, dynamic per token and {group} inputs, which needs the "
+                                         rf"layer's input width \(in_features {hidden}\) to be a multiple of {group}"):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
+
+
 def test_a_missing_static_scale_is_named(tiny_model_factory, tmp_path):
     from safetensors.torch import load_file, save_file
     src = tiny_model_factory("llama", tie_word_embeddings=False, hidden_size=256, intermediate_size=384)

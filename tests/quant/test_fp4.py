@@ -189,14 +189,15 @@ def _mxfp4_by_hand(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes[:, 0::2] | (codes[:, 1::2] << 4), (exponent + 127).to(torch.uint8)
 
 
-def _write_fp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
-    """layout: "modelopt" / "compressed-tensors" (NVFP4) or "compressed-tensors-mxfp4"."""
+def _write_fp4(src: str, out: str, layout: str, head: bool = False) -> tuple[dict, dict]:
+    """layout: "modelopt" / "compressed-tensors" (NVFP4) or "compressed-tensors-mxfp4"; lm_head kept float
+    unless `head`."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, out)
     state = load_file(os.path.join(src, "model.safetensors"))
     tensors, dequantized, packed_by_name = {}, {}, {}
     for name, t in state.items():
-        if not name.endswith("proj.weight"):
+        if not name.endswith("proj.weight") and not (head and name == "lm_head.weight"):
             tensors[name] = t
             continue
         module = name[: -len(".weight")]
@@ -222,8 +223,8 @@ def _write_fp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
     cfg_path = os.path.join(out, "config.json")
     cfg = json.load(open(cfg_path))
     if layout == "modelopt":
-        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                                                       "exclude_modules": ["lm_head"]}},
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [] if head else ["lm_head"]}},
                   open(os.path.join(out, "hf_quant_config.json"), "w"))
     else:
         mx = layout == "compressed-tensors-mxfp4"
@@ -232,7 +233,7 @@ def _write_fp4(src: str, out: str, layout: str) -> tuple[dict, dict]:
         cfg["quantization_config"] = {"quant_method": "compressed-tensors",
                                       "format": "mxfp4-pack-quantized" if mx else "nvfp4-pack-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}},
-                                      "ignore": ["lm_head"]}
+                                      "ignore": [] if head else ["lm_head"]}
     json.dump(cfg, open(cfg_path, "w"))
     return dequantized, packed_by_name
 
@@ -270,6 +271,51 @@ def test_fp4_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp
     assert ((hidden - expected).norm() / expected.norm()).item() < 1e-4
     out_tokens = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert out_tokens[0].outputs[0].token_ids == _hf_greedy(src, dequantized, 8)
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt", "compressed-tensors-mxfp4"])
+def test_an_fp4_checkpoint_that_quantizes_lm_head_keeps_its_codes_there(tiny_model_factory, tmp_path, layout):
+    """"ignore": [] (ModelOpt: no exclude_modules): the head holds the file's codes in the format's method
+    (not the int8 the method gives a head it quantizes itself); logits as transformers' on the dequantized
+    weights. A vocabulary of 512 keeps the test's own encoder quick."""
+    from transformers import AutoModelForCausalLM
+    src = tiny_model_factory("llama", tie_word_embeddings=False, vocab_size=512)
+    out = str(tmp_path / "fp4-head")
+    dequantized, packed = _write_fp4(src, out, layout, head=True)
+    llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    _weight_only(model)
+    head = model.lm_head
+    assert head.quant_method.name == ("mxfp4" if layout.endswith("mxfp4") else "nvfp4")
+    assert torch.equal(head.fp4_weight[0], packed["lm_head.weight"])
+    prompt = [p % 512 for p in PROMPT]
+    from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+    n, slots = len(prompt), torch.arange(len(prompt))
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), slots, AttentionMetadata(slots, [SeqSpan(0, n, n, slots)]))
+        logits = model.compute_logits(hidden[-1:])[0]
+    with torch.no_grad():
+        ref = _hf_model(src, dequantized)(torch.tensor([prompt])).logits[0, -1]
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "compressed-tensors-mxfp4"])
+def test_fp4_block_scales_of_another_shape_are_named(tiny_model_factory, tmp_path, layout):
+    """[N, K / group] per weight [N, K]: a scale tensor of another shape is refused naming it and both shapes."""
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_factory("llama", tie_word_embeddings=False)
+    out = str(tmp_path / "fp4-shape")
+    _write_fp4(src, out, layout)
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    state[name] = state[name][:, :2].contiguous()                     # [64, 2] of a weight [64, 128]
+    save_file(state, path)
+    group, fmt = (32, "mxfp4") if layout.endswith("mxfp4") else (16, "nvfp4")
+    with pytest.raises(ValueError, match=rf"{name} has shape \[64, 2\], expected \[64, {128 // group}\] "
+                                         rf"\(compressed-tensors {fmt} scales per {group} inputs of a weight "
+                                         r"\[64, 128\]\)"):
+        LLM(out, kv_cache_memory_bytes=1 << 22)
 
 
 def test_mxfp4_checkpoint_errors_name_the_problem(tiny_model_factory, tmp_path):

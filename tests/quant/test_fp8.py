@@ -105,16 +105,17 @@ def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tenso
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def _write_checkpoint(src: str, out: str, layout: str, strategy: str) -> dict[str, torch.Tensor]:
+def _write_checkpoint(src: str, out: str, layout: str, strategy: str, head: bool = False) -> dict[str, torch.Tensor]:
     """The tiny float model at `src` re-saved at `out` in a vendor's FP8 layout (lm_head kept float, as they
-    do); returns the dequantized weights by HF name (the reference model's)."""
+    usually do, unless `head`); returns the dequantized weights by HF name (the reference model's)."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, out)
     state = load_file(os.path.join(src, "model.safetensors"))
     scale_name = "weight_scale_inv" if layout == "deepseek" else "weight_scale"
     tensors, dequantized = {}, {}
     for name, t in state.items():
-        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):     # Mixtral's experts too
+        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")) or \
+                (head and name == "lm_head.weight"):                                   # Mixtral's experts too
             q, scale = _quantize(t.float(), strategy)
             tensors[name] = q
             tensors[name[: -len("weight")] + scale_name] = scale if layout != "modelopt" else scale.reshape(())
@@ -134,12 +135,13 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str) -> dict[st
             weights["block_structure"] = [128, 128]
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-                                      "ignore": ["lm_head"]}
+                                      "ignore": [] if head else ["lm_head"]}
     elif layout == "deepseek":
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
     else:
-        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}},
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "FP8", "exclude_modules": [] if head else ["lm_head"]}},
                   open(os.path.join(out, "hf_quant_config.json"), "w"))
     json.dump(cfg, open(cfg_path, "w"))
     return dequantized
@@ -173,6 +175,93 @@ def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_fac
     ref = _reference_logits(src, dequantized, PROMPT)
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
     assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+@pytest.mark.parametrize("layout,strategy", [("compressed-tensors", "channel"), ("modelopt", "tensor"),
+                                             ("deepseek", "block")])
+def test_a_checkpoint_that_quantizes_lm_head_keeps_its_codes_there(tiny_model_factory, tmp_path, layout, strategy):
+    """compressed-tensors with "ignore": [] (ModelOpt, DeepSeek likewise): the head holds the file's codes in
+    the format's own method, not the int8 FP8Method gives a head it quantizes itself (its float weight is
+    never loaded)."""
+    from safetensors.torch import load_file
+    src = tiny_model_factory("llama", tie_word_embeddings=False, hidden_size=256, intermediate_size=384)
+    out = str(tmp_path / "fp8-head")
+    dequantized = _write_checkpoint(src, out, layout, strategy, head=True)
+    llm = LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    for module in model.modules():                      # the weights' arithmetic alone, as above
+        if getattr(module, "input_quant", None) is not None:
+            module.input_quant = None
+    head = model.lm_head
+    written = load_file(os.path.join(out, "model.safetensors"))["lm_head.weight"]
+    assert head.quant_method.name == "fp8" and getattr(head, "weight", None) is None
+    assert torch.equal(head.fp8_weight[0].view(torch.uint8), written.view(torch.uint8))
+    logits, tokens = _engine_logits(llm, PROMPT)
+    ref = _reference_logits(src, dequantized, PROMPT)
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+def test_modelopt_kv_cache_scales_on_k_proj_and_v_proj_are_the_caches(tiny_model_factory, tmp_path):
+    """ModelOpt with kv_cache_quant_algo FP8 names the scales self_attn.k_proj.k_scale / v_proj.v_scale (as
+    vLLM's maybe_remap_kv_scale_name reads them): an FP8 cache takes them; a float cache leaves them unused."""
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_factory("llama", tie_word_embeddings=False)
+    out = str(tmp_path / "modelopt-kv")
+    _write_checkpoint(src, out, "modelopt", "tensor")
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    for i in range(2):
+        state[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.02 * (i + 1))
+        state[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.03 * (i + 1))
+    save_file(state, path)
+    quant_path = os.path.join(out, "hf_quant_config.json")
+    quant = json.load(open(quant_path))
+    quant["quantization"]["kv_cache_quant_algo"] = "FP8"
+    json.dump(quant, open(quant_path, "w"))
+    llm = LLM(out, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    for i, layer in enumerate(llm.engine.core.runner.model.attention_layers()):
+        assert layer.kv_scales.ready
+        assert torch.allclose(layer.kv_scales.k, torch.tensor(0.02 * (i + 1)))
+        assert torch.allclose(layer.kv_scales.v, torch.tensor(0.03 * (i + 1)))
+    assert len(llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids) == 8
+    LLM(out, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)          # float cache: scales unused
+
+
+@pytest.mark.parametrize("declared,written,found,expected", [
+    ("channel", "tensor", r"\[1\]", r"\[64, 1\] or \[64\]"),
+    ("block", "channel", r"\[64, 1\]", r"\[1, 1\]"),
+    ("tensor", "channel", r"\[64, 1\]", r"\[\] or \[1\] or \[1, 1\]"),
+])
+@pytest.mark.parametrize("quantization", [None, "int8"])     # the checkpoint's codes, or dequantized as read
+def test_scales_of_another_shape_than_the_strategy_declares_are_named(tiny_model_factory, tmp_path, declared, written,
+                                                                       found, expected, quantization):
+    """A per-channel scale under "block" would give row i the scale of row i // 128; a per-tensor one under
+    "channel" cannot be spread over the rows: both are refused at load, naming the tensor and both shapes."""
+    src = tiny_model_factory("llama", tie_word_embeddings=False)
+    out = str(tmp_path / "mismatch")
+    _write_checkpoint(src, out, "compressed-tensors", written)
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = declared
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.down_proj\.weight_scale has shape {found}, "
+                                         rf"expected {expected} \(compressed-tensors FP8 {declared} scales of a "
+                                         r"weight \[64, 128\]\)"):
+        LLM(out, quantization=quantization, kv_cache_memory_bytes=1 << 22)
+
+
+def test_set_codes_refuses_per_channel_scales_given_as_blocks():
+    """The method's own check (what attach_scales hands it, this rank's part): [N, 1] under "block"."""
+    from tokenmill.layers.linear import Linear
+    w = torch.randn(256, 256)
+    codes, scale = _quantize(w, "channel")
+    layer = Linear(256, 256)
+    layer.prefix = "model.layers.3.mlp.down_proj"
+    layer.checkpoint_fp8 = [(slice(0, 256), "block", scale)]
+    with pytest.raises(ValueError, match=r"model.layers.3.mlp.down_proj's FP8 scale of rows 0:256 has shape "
+                                         r"\[256, 1\], expected \[2, 2\]"):
+        fp8.FP8Method().set_codes(layer, [(slice(0, 256), codes)], torch.device("cpu"))
 
 
 def test_a_mixtral_checkpoint_keeps_its_experts_codes(tiny_model_factory, tmp_path):

@@ -19,14 +19,15 @@ logger = logging.getLogger("tokenmill")
 
 
 def quantize_model(model: nn.Module, method: str | QuantMethod | None,
-                   quantize_tied_lm_head: bool | None = None, keep_float=None) -> None:
+                   quantize_tied_lm_head: bool | None = None, keep_float=None, own_codes=None) -> None:
     """Switch every `Linear` of a loaded model to `method` and pack its weights (None or a "float" method:
     the checkpoint's float weights, packed for the platform's float kernels, once, now).
 
     An lm_head whose weight is the input embedding's gets a packed copy when the method asks for it
     (`quantize_tied_lm_head`, overridable here); otherwise it keeps the float tensor it shares, computed
     by the platform's float method. Embeddings are never quantized. keep_float(prefix): layers that stay float
-    (those a pre-quantized checkpoint keeps in float)."""
+    (those a pre-quantized checkpoint keeps in float); own_codes(prefix): layers that already hold `method`'s
+    codes (a pre-quantized checkpoint's, its lm_head included), which keep `method` whatever method_for says."""
     method = get_quant_method(method or "float") if method is None or isinstance(method, str) else method
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     if method.is_float:
@@ -39,7 +40,7 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
     others: dict[str, QuantMethod] = {}
     plan = []
     for prefix, layer in chosen:
-        alt = "float" if keep_float is not None and keep_float(prefix) else method.method_for(prefix)
+        alt = _alternative(method, prefix, keep_float, own_codes)
         plan.append((layer, method if alt is None else others.setdefault(alt, get_quant_method(alt, method.platform))))
     for (prefix, _), (layer, m) in zip(chosen, plan):
         layer.prefix = prefix
@@ -55,6 +56,15 @@ def quantize_model(model: nn.Module, method: str | QuantMethod | None,
                 "" if not kept else " (tied lm_head kept float)")
 
 
+def _alternative(method: QuantMethod, prefix: str, keep_float, own_codes) -> str | None:
+    """The method name layer `prefix` takes instead of `method`, or None for `method` itself."""
+    if keep_float is not None and keep_float(prefix):
+        return "float"
+    if own_codes is not None and own_codes(prefix):
+        return None                  # its weight is gone: only `method` can take the codes it was given
+    return method.method_for(prefix)
+
+
 def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, model_path: str = "") -> None:
     """Load `weights` ((checkpoint name, float tensor) pairs) into `model` and quantize it with `method`.
     From a .gguf file whose blocks `method` takes as they are (Q4_1 -> int4), those are read directly
@@ -68,8 +78,9 @@ def load_and_quantize(model: nn.Module, weights, method: QuantMethod | None, mod
 def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) -> None:
     """A pre-quantized checkpoint (quant/prequantized.py). For the format's own method (fp8, nvfp4, mxfp4)
     each quantized layer takes the checkpoint's codes as they are, with its scales (no float copy of the
-    weight is made) and its activation scheme, and the layers it keeps in float stay so. Another method gets the weights dequantized
-    as read and quantizes them as usual."""
+    weight is made) and its activation scheme, and keeps that method (an lm_head the checkpoint quantizes
+    included: it never takes method_for's head method); the layers it keeps in float stay so. Another method
+    gets the weights dequantized as read and quantizes them as usual."""
     from tokenmill.quant.prequantized import (attach_input_quant, attach_scales, dequantized_weights,
                                               read_input_scales, read_scales)
     source = iter_weights
@@ -83,7 +94,8 @@ def load_prequantized(model: nn.Module, iter_weights, fmt, method: QuantMethod) 
     sink = _CodeSink(model, quantized, method, fmt)
     model.load_weights(dequantized_weights(iter_weights, fmt, scales, sink.take))
     sink.check_complete()
-    quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized)
+    quantize_model(model, method, keep_float=lambda prefix: prefix not in quantized,
+                   own_codes=quantized.__contains__)
     attach_input_quant(model, quantized, read_input_scales(iter_weights, fmt), fmt)
 
 
@@ -114,6 +126,7 @@ class _CodeSink:
         parts = self.pending[layer_name]
         parts.append((target, read_part(tensor, rows, cols)))
         if sum(codes.shape[0] for _, codes in parts) == layer.out_features:
+            layer.prefix = layer_name                    # for set_codes' errors
             self.method.set_codes(layer, parts, self.devices[layer_name])
             del self.pending[layer_name]
         return True
@@ -150,6 +163,7 @@ def load_gguf_direct(model: nn.Module, path: str, method: QuantMethod) -> bool:
         if all(c is not None for c in converted) and _fill(layer, pieces, converted, method):
             direct.update(n for n, _ in pieces)
             layer.weight = None                     # not a parameter any more: load_weights skips it
+    f.check_dequantizable(direct)                   # the rest is dequantized: a type it cannot take is named
 
     def rest():            # dequantized as read: only a tensor-parallel rank's part
         for name, (typ, shape, data) in raw.items():

@@ -165,16 +165,26 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {info.name!r} has no Hugging Face name mapping "
                                 f"for architecture {self.architecture!r}.")
             if check_types:
-                for part in getattr(info, "parts", (info,)):
-                    if not is_supported(part.ggml_type):
-                        raise GGUFError(f"{self.path}: tensor {part.name!r} has ggml type "
-                                        f"{ggml_type_name(part.ggml_type)}, which cannot be dequantized; "
-                                        f"supported: {', '.join(SUPPORTED_TYPES)}.")
+                self._check_dequantizable(info)
             experts = range(info.shape[0]) if "{e}" in hf_name else [None]
             for e in experts:
                 name = self._arch_name(hf_name.replace("{e}", str(e)))
                 plan.append((info, name, self.needs_unpermute(name), e))
         return plan
+
+    def check_dequantizable(self, taken: set[str] = frozenset()) -> None:
+        """GGUFError naming the first tensor whose ggml type cannot be dequantized, as iter_weights raises it,
+        among the tensors but those (HF names) a quantization method takes as they are (`taken`)."""
+        for info, hf_name, _, _ in self._plan(check_types=False):
+            if hf_name not in taken:
+                self._check_dequantizable(info)
+
+    def _check_dequantizable(self, info) -> None:
+        for part in getattr(info, "parts", (info,)):
+            if not is_supported(part.ggml_type):
+                raise GGUFError(f"{self.path}: tensor {part.name!r} has ggml type "
+                                f"{ggml_type_name(part.ggml_type)}, which cannot be dequantized; "
+                                f"supported: {', '.join(SUPPORTED_TYPES)}.")
 
     def _sources(self) -> list:
         """The file's tensors, with each layer's attn_k_b + attn_v_b (deepseek2) as one _MergedKVB."""

@@ -37,10 +37,13 @@ def deepseek2_config_kwargs(header: GGUFHeader) -> dict[str, Any]:
             return default
         return meta[full]
 
-    gating = int(get("expert_gating_func", _SIGMOID_GATING))
-    if gating != _SIGMOID_GATING:
-        raise GGUFError(f"{path}: deepseek2 file with expert gating function {gating} (softmax: DeepSeek-V2); "
-                        "only DeepSeek-V3 / R1 (sigmoid gating, deepseek2.expert_gating_func = 2) is supported.")
+    # llama.cpp reads a missing key as softmax: DeepSeek-V2 / V2.5 files converted before V3 support lack it
+    gating = get("expert_gating_func", None)
+    if gating is None or int(gating) != _SIGMOID_GATING:
+        found = "no deepseek2.expert_gating_func (softmax, as llama.cpp reads it: DeepSeek-V2 / V2.5)" \
+            if gating is None else f"expert gating function {int(gating)} (softmax: DeepSeek-V2)"
+        raise GGUFError(f"{path}: deepseek2 file with {found}; only DeepSeek-V3 / R1 (sigmoid gating, "
+                        "deepseek2.expert_gating_func = 2) is supported.")
     if "deepseek2.nextn_predict_layers" in meta and int(meta["deepseek2.nextn_predict_layers"]):
         raise GGUFError(f"{path}: MTP layers inside a GGUF file are not supported; load them from safetensors.")
     heads = int(get("attention.head_count"))

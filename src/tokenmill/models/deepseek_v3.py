@@ -62,8 +62,10 @@ class MLAttention(nn.Module):
         self.mla = m
         h, qk = cfg.hidden_size, m.qk_head_dim
         latent_out = m.kv_lora_rank + m.qk_rope_head_dim
+        bias = cfg.attention_bias         # HF attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj (not q_proj)
         if m.q_lora_rank is not None:     # q_a and kv_a read the same input: one fused projection
-            self.fused_qkv_a_proj = MergedLinear(h, {"q_a": m.q_lora_rank, "kv_a": latent_out}, dtype=cfg.dtype,
+            self.fused_qkv_a_proj = MergedLinear(h, {"q_a": m.q_lora_rank, "kv_a": latent_out}, bias=bias,
+                                                 dtype=cfg.dtype,
                                                  shard_runs={"q_a": (0, m.q_lora_rank), "kv_a": (0, latent_out)})
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, cfg.dtype)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, cfg.num_heads * qk, dtype=cfg.dtype,
@@ -71,12 +73,13 @@ class MLAttention(nn.Module):
         else:
             self.q_proj = ColumnParallelLinear(h, cfg.num_heads * qk, dtype=cfg.dtype,
                                                rows=(first * qk, self.num_heads * qk))
-            self.kv_a_proj_with_mqa = Linear(h, latent_out, dtype=cfg.dtype)
+            self.kv_a_proj_with_mqa = Linear(h, latent_out, bias=bias, dtype=cfg.dtype)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, cfg.dtype)
         per_head = m.qk_nope_head_dim + m.v_head_dim
         self.kv_b_proj = HeadRows((first * per_head, self.num_heads * per_head), m.kv_lora_rank, cfg.dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, dtype=cfg.dtype,
-                                        cols=(first * m.v_head_dim, self.num_heads * m.v_head_dim))
+        # o_proj's bias (attention_out_bias): added by tensor-parallel rank 0 only
+        self.o_proj = RowParallelLinear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=cfg.attention_out_bias,
+                                        dtype=cfg.dtype, cols=(first * m.v_head_dim, self.num_heads * m.v_head_dim))
         self.rotary = rotary
         self.scale = softmax_scale(cfg)
         self.backend = None                              # an MLA backend, bound by the model runner

@@ -1,7 +1,8 @@
 """gpt-oss (OpenAI's open-weight MoE): Llama's pre-norm decoder with
-- attention: biases on q, k, v and o; a learned sink logit per head in every softmax; sliding windows of
-  `sliding_window` tokens on the layers `layer_types` names, full attention on the others (the backend's
-  forward_with_sinks: the native CPU or the Triton kernels, else torch ops, layers/attention/sinks.py); YaRN;
+- attention: biases on q, k, v and o (attention_bias, as in the released models); a learned sink logit per
+  head in every softmax; sliding windows of `sliding_window` tokens on the layers `layer_types` names, full
+  attention on the others (the backend's forward_with_sinks: the native CPU or the Triton kernels, else
+  torch ops, layers/attention/sinks.py); YaRN;
 - every MLP a mixture of experts: router logits with a bias, softmax over the top-k; experts with biases and
   the clamped SwiGLU (layers/moe/experts.py clamped_swiglu).
 
@@ -27,7 +28,6 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers.linear import RowParallelLinear
 from tokenmill.loaders.lazy import read_part
 from tokenmill.models.base import attention_heads
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
@@ -40,13 +40,10 @@ _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_pr
 
 class GptOssAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, rotary) -> None:
-        super().__init__(cfg, rotary)
-        # o_proj's bias: added by tensor-parallel rank 0 only (RowParallelLinear.adds_bias)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=True, dtype=cfg.dtype, cols=self.o_proj.cols)
+        super().__init__(cfg, rotary)                # q/k/v and o biases from cfg (attention_bias)
         self.first_head = attention_heads(cfg).first_head
         # this rank's heads' sink logits [num_heads] (of the checkpoint's [num_attention_heads])
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=cfg.dtype), requires_grad=False)
-        self.window: int | None = None          # tokens attended back to (its own included); None: all
 
     def checkpoint_slice(self, shard_id) -> tuple[slice, slice]:
         """The rows of `sinks` (this module's one own parameter) that this rank's heads take."""
@@ -58,12 +55,7 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssForCausalLM(MoEMixin, LlamaForCausalLM):
-    attention_class = GptOssAttention
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.window = cfg.window(i)
+    attention_class = GptOssAttention          # its window set per layer by LlamaForCausalLM
 
     def dense_decoder(self):
         return None                          # sinks and windows: the fused decode programs know neither

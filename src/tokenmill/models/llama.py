@@ -1,4 +1,8 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2): pre-norm decoder, GQA, RoPE, SwiGLU.
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2): pre-norm decoder, GQA, RoPE, a gated MLP
+(SwiGLU, or GELU where the config's hidden_act says so). Biases as transformers builds them: q/k/v with
+attention_bias (Qwen2 always), o_proj with ModelConfig.attention_out_bias, the MLP with Llama's mlp_bias.
+Sliding windows (Mistral, Mixtral, Qwen2, Qwen3-MoE: ModelConfig.layer_windows) are each attention layer's
+`window`, run by the backend's forward_with_sinks without sinks.
 
 Checkpoint names follow Hugging Face; fused weights declare which checkpoint tensors fill them as data
 (`STACKED`), so any loader that yields (hf_name, tensor) works.
@@ -12,12 +16,12 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import KVCacheSpec, kv_heads_spec
 from tokenmill.layers.embedding import VocabParallelEmbedding, gather_logits
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.platforms import op_kernels
 from tokenmill.models.base import CausalLM, DenseDecoder, DenseDecoderLayer, attention_heads
 from tokenmill.models.weights import load_named_weights
 
@@ -32,7 +36,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
                                      bias=cfg.attention_bias, dtype=cfg.dtype,
                                      shard_runs={"q": q_run, "k": kv_run, "v": kv_run})
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, dtype=cfg.dtype, cols=q_run)
+        # o_proj's bias: added by tensor-parallel rank 0 only (RowParallelLinear.adds_bias)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias, dtype=cfg.dtype,
+                                        cols=q_run)
         if cfg.qk_norm:                                # Qwen3: RMSNorm over each head's head_dim
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype)
@@ -43,6 +49,10 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None       # [num_kv_heads, num_slots, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.kv_scales = None                          # fp8_kv.KVScales when the cache is FP8 (bound with it)
+        # tokens a query attends back to, its own included (positions p - window + 1 .. p); None: all. Set by
+        # the model from ModelConfig.window(layer index). The cache still holds every position (prefix hits
+        # and chunked prefill read it as for full attention); only the attention is limited.
+        self.window: int | None = None
 
     def cache_spec(self) -> KVCacheSpec:
         return kv_heads_spec(self.num_kv_heads, self.head_dim)
@@ -66,20 +76,25 @@ class LlamaAttention(nn.Module):
 
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Cache the new keys and values, then attend: q [T, H, D], k/v [T, KV, D] -> [T, H * D]."""
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+        """Cache the new keys and values, then attend: q [T, H, D], k/v [T, KV, D] -> [T, H * D] (within the
+        layer's window where it has one: the backends' windowed kernels, no sinks)."""
+        if self.window is None:
+            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+        return self.backend.forward_with_sinks(q, k, v, self.k_cache, self.v_cache, meta, self.scale, None,
+                                               self.window, self.kv_scales)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size                   # MoE models' dense layers too
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, dtype=cfg.dtype)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype)
-        self.silu_and_mul = op_kernels().silu_and_mul
+        bias = cfg.mlp_bias                            # down_proj's added by tensor-parallel rank 0 only
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=bias, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=bias, dtype=cfg.dtype)
+        self.act_and_mul = gated_activation(cfg.hidden_act)       # [T, 2I] -> act(gate) * up [T, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))     # via [T, 2 * intermediate]
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))      # via [T, 2 * intermediate]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -151,6 +166,8 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype)   # vocab runs
         if cfg.tie_word_embeddings:   # one tensor, two uses; loaded as model.embed_tokens.weight
             self.lm_head.weight = self.model.embed_tokens.weight
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.window = cfg.window(i)
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer_index: int) -> nn.Module:
@@ -163,8 +180,12 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head
 
     def dense_decoder(self) -> DenseDecoder | None:
+        """None where the native decoder layers would compute something else: q/k norms, MoE MLPs, a gated
+        activation other than SiLU, sliding windows (they attend to the whole context)."""
         m = self.model
         if self.config.qk_norm or not all(isinstance(layer.mlp, LlamaMLP) for layer in m.layers):
+            return None
+        if self.config.hidden_act not in ("silu", "swish") or any(w is not None for w in self.config.layer_windows):
             return None
         layers = tuple(DenseDecoderLayer(layer.input_layernorm, layer.post_attention_layernorm,
                                          layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -186,8 +207,9 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Same graph; q/k/v carry a bias (ModelConfig.attention_bias is True for Qwen2)."""
+    """Same graph; q/k/v carry a bias (ModelConfig.attention_bias is True for Qwen2, attention_out_bias False);
+    with use_sliding_window, the layers from max_window_layers on slide."""
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama (sliding window unused within the supported context)."""
+    """Same graph as Llama; every layer slides over sliding_window tokens when the config sets it."""

@@ -37,9 +37,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         raise ValueError(f"checkpoint is missing tensors for: {shown}")
 
 
-# FP8 KV cache scales a checkpoint may carry per attention layer (ModelOpt / vLLM names; compressed-tensors'
-# output scales of k_proj / v_proj): kept on the attention module for kv_cache_dtype="fp8", else unused
+# FP8 KV cache scales a checkpoint may carry per attention layer (vLLM's names; ModelOpt's, exported with
+# kv_cache_quant_algo FP8, on k_proj / v_proj; compressed-tensors' output scales of k_proj / v_proj), as
+# vLLM's maybe_remap_kv_scale_name maps them: kept on the attention module for kv_cache_dtype="fp8", else unused
 _KV_SCALE_NAMES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v",
+                   "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v",
                    "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v"}
 
 

@@ -95,7 +95,8 @@ class FP8Method(QuantMethod):
                 raise ValueError(f"{layer.prefix or 'a linear layer'}: an FP8 weight must be float8_e4m3fn "
                                  f"{tuple(q[rows].shape)}, got {c.dtype} {tuple(c.shape)}")
             q[rows] = c
-            scales[rows] = expand_scale(c, strategy, scale, kblock)
+            scales[rows] = expand_scale(c, strategy, scale, kblock, f"{layer.prefix or 'a linear layer'}'s FP8 scale "
+                                        f"of rows {rows.start}:{rows.stop}")
         self._register(layer, q, scales, kblock, device)
 
     @staticmethod
@@ -161,15 +162,32 @@ def _one_run(rows: int) -> torch.Tensor:
     return starts
 
 
-def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int) -> torch.Tensor:
+def scale_shapes(strategy: str, n: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes a checkpoint's scale of an FP8 weight [n, k] may have: per tensor one value ([], [1]),
+    per channel [n, 1] or [n], in 128 x 128 blocks [ceil(n / 128), ceil(k / 128)]."""
+    if strategy == "tensor":
+        return (), (1,), (1, 1)
+    if strategy == "channel":
+        return (n, 1), (n,)
+    if strategy == "block":
+        return ((-(-n // BLOCK), -(-k // BLOCK)),)
+    raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
+
+
+def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int,
+                 name: str = "an FP8 weight's scale") -> torch.Tensor:
     """The scale of every (row, block of kblock inputs) of w [n, K]: from the checkpoint's per-tensor [1],
-    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale (w is then only its shape: codes do), or
-    (None) amax / 448 per row."""
+    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale (w is then only its shape: codes do; a scale
+    of another shape is a ValueError naming `name`), or (None) amax / 448 per row."""
     n, k = w.shape
     kb = -(-k // kblock)
     if scale is None:
         amax = w.abs().amax(dim=1, keepdim=True)
         return (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).expand(n, kb).contiguous()
+    expected = scale_shapes(strategy, n, k)
+    if tuple(scale.shape) not in expected:
+        raise ValueError(f"{name} has shape {list(scale.shape)}, expected "
+                         f"{' or '.join(str(list(e)) for e in expected)} ({strategy} scales of a weight [{n}, {k}])")
     scale = scale.float()
     if strategy == "tensor":
         return scale.reshape(1, 1).expand(n, kb).contiguous()

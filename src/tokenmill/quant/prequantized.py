@@ -29,7 +29,9 @@ scheme in `take_input_quant`: on the CPU its input is rounded to the format befo
 A fused layer's shards (qkv, gate/up) read one input: where their static scales differ the largest is used
 (no shard's calibrated range is clipped). Loaded with another method (`quantization=...` naming a different
 format), the weights are dequantized and requantized and the activations stay float32.
-Anything else (integer schemes, mixed weight / activation formats, ...) is an error that names it."""
+Every scale's shape is checked against its weight's and the declared strategy (check_scale_shape), and a
+per-group / per-block activation scheme against each layer's input width, at load. Anything else (integer
+schemes, mixed weight / activation formats, ...) is an error that names it."""
 from __future__ import annotations
 
 import json
@@ -193,15 +195,22 @@ def _ct_activations(name: str, a: dict | None) -> ActivationScheme | None:
 
 def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor | TensorScaled]:
     """The checkpoint's weight scales by module name, as float32 multipliers (NVFP4: TensorScaled, with the
-    tensor scale; scale_tensor gives the multipliers). One pass over the lazy checkpoint: only they are read."""
+    tensor scale; scale_tensor gives the multipliers). One pass over the lazy checkpoint: only they are read
+    (and the weights' shapes, which each scale's shape is checked against: check_scale_shape)."""
     from tokenmill.loaders.lazy import read_part
     suffix, tensor_suffix = "." + fmt.scale_name, "." + (fmt.global_scale_name or fmt.scale_name)
-    scales, tensor_scales = {}, {}
+    weight_suffix = "." + fmt.weight_name
+    scales, tensor_scales, weight_shapes = {}, {}, {}
     for name, t in iter_weights():
         if name.endswith(suffix):
             scales[name[: -len(suffix)]] = _scale_values(read_part(t, slice(None), slice(None)), fmt)
         elif fmt.global_scale_name and name.endswith(tensor_suffix):
             tensor_scales[name[: -len(tensor_suffix)]] = read_part(t, slice(None), slice(None)).float().reshape(())
+        elif name.endswith(weight_suffix):
+            weight_shapes[name[: -len(weight_suffix)]] = tuple(t.shape)
+    for module, scale in scales.items():
+        if module in weight_shapes:          # a scale without its weight: named where the codes are missed
+            check_scale_shape(module, tuple(scale.shape), weight_shapes[module], fmt)
     if not fmt.global_scale_name:
         return scales
     missing = sorted(set(scales) - set(tensor_scales))
@@ -210,6 +219,26 @@ def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor | 
     divide = fmt.global_scale_name == "weight_global_scale"      # compressed-tensors stores the reciprocal
     return {m: TensorScaled(s / tensor_scales[m], float(1 / tensor_scales[m])) if divide else
             TensorScaled(s * tensor_scales[m], float(tensor_scales[m])) for m, s in scales.items()}
+
+
+def check_scale_shape(module: str, scale_shape: tuple, weight_shape: tuple, fmt: CheckpointQuant) -> None:
+    """ValueError naming `module`'s scale tensor unless its shape is what the format declares for the weight's:
+    FP8 per tensor [] / [1], per channel [N, 1] / [N], blocks [ceil(N / 128), ceil(K / 128)]; FP4 [N, K / group]
+    (the weight's codes packed two a byte: [N, K / 2])."""
+    from tokenmill.quant.fp8 import scale_shapes
+    name = f"{module}.{fmt.scale_name}"
+    if len(weight_shape) != 2:
+        raise ValueError(f"{module}.{fmt.weight_name} has shape {weight_shape}, expected a matrix [N, K]")
+    n, k = weight_shape[0], weight_shape[1] * (2 if fmt.fp4_group else 1)
+    if fmt.fp4_group:
+        expected = ((n, k // fmt.fp4_group),) if k % fmt.fp4_group == 0 else ()
+        declared = f"{fmt.strategy} scales per {fmt.fp4_group} inputs"
+    else:
+        expected, declared = scale_shapes(fmt.strategy, n, k), f"FP8 {fmt.strategy} scales"
+    if tuple(scale_shape) not in expected:
+        want = " or ".join(str(list(e)) for e in expected) or f"none: K = {k} is not a multiple of {fmt.fp4_group}"
+        raise ValueError(f"{name} has shape {list(scale_shape)}, expected {want} ({fmt.vendor} {declared} of a "
+                         f"weight [{n}, {k}])")
 
 
 def _scale_values(scale: torch.Tensor, fmt: CheckpointQuant) -> torch.Tensor:
@@ -249,7 +278,8 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
         if q.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: a {fmt.vendor} FP8 weight must be float8_e4m3fn, got {q.dtype}")
         kblock = BLOCK if fmt.strategy == "block" else q.shape[1]
-        yield name, dequantize(q, expand_scale(q.float(), fmt.strategy, scales[module], kblock), kblock)
+        full = expand_scale(q.float(), fmt.strategy, scales[module], kblock, f"{module}.{fmt.scale_name}")
+        yield name, dequantize(q, full, kblock)
 
 
 def _dequantize_fp4(name: str, packed: torch.Tensor, scales: torch.Tensor, fmt: CheckpointQuant) -> torch.Tensor:
@@ -342,7 +372,16 @@ def attach_input_quant(model, layers: set[str], input_scales: dict[str, float], 
             raise ValueError(f"{layer_name}: the checkpoint declares {fmt.activations.describe()} but gives this "
                              f"layer no {fmt.input_scale_name}")
         layer = modules[layer_name]
+        _check_input_width(layer, layer_name, fmt.activations)
         layer.quant_method.take_input_quant(layer, InputQuant(fmt.activations, max(scales) if scales else None))
+
+
+def _check_input_width(layer, layer_name: str, scheme: ActivationScheme) -> None:
+    """Per-group and per-block schemes scale each row's inputs in runs of scheme.group: a layer's input (this
+    rank's part of it) must be a whole number of runs, or every request would fail."""
+    if scheme.granularity in ("group", "block") and layer.in_features % scheme.group:
+        raise ValueError(f"{layer_name}: the checkpoint declares {scheme.describe()}, which needs the layer's "
+                         f"input width (in_features {layer.in_features}) to be a multiple of {scheme.group}")
 
 
 def checkpoint_parts(layer) -> list:

@@ -74,10 +74,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward_with_sinks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                           sinks: torch.Tensor, window: int | None, kv_scales=None) -> torch.Tensor:
+                           sinks: torch.Tensor | None, window: int | None, kv_scales=None) -> torch.Tensor:
         """forward for gpt-oss's attention: sinks [num_heads] (a logit per head in every softmax, giving no
-        value) and a sliding window (a query at p reads p - window + 1 .. p; None: all). By default
-        layers/attention/sinks.py's torch ops; the CPU and Triton backends run their kernels."""
+        value; None: no sinks, a sliding window alone as Mistral's) and a sliding window (a query at p reads
+        p - window + 1 .. p; None: all). By default layers/attention/sinks.py's torch ops; the CPU and Triton
+        backends run their kernels."""
         from tokenmill.layers.attention.sinks import sink_attention
         self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return sink_attention(q, k_cache, v_cache, meta, scale, sinks, window, kv_scales)

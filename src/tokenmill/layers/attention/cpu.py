@@ -49,16 +49,17 @@ class CPUAttention(AttentionBackend):
 
     def forward_with_sinks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks, window,
                            kv_scales=None) -> torch.Tensor:
-        """gpt-oss's attention in the native kernels, which take the sinks and the window (a decode reads only
-        its window's keys; a prefill block gathers only the keys its queries' windows reach): float32 cache,
-        head dim 64 or 128, the step's prefill tables listing its chunks. Else the torch ops (sinks.py)."""
+        """gpt-oss's attention (sinks None: a sliding window alone, Mistral's) in the native kernels, which take
+        the sinks and the window (a decode reads only its window's keys; a prefill block gathers only the keys
+        its queries' windows reach): float32 cache, head dim 64 or 128, the step's prefill tables listing its
+        chunks. Else the torch ops (sinks.py)."""
         prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
         if self.native is None or q.dtype != torch.float32 or kv_scales is not None \
                 or not self.native.prefill_attention_supports(q.shape[-1]) \
                 or (prefills and not self._native_prefill(q, prefills, meta)):
             return super().forward_with_sinks(q, k, v, k_cache, v_cache, meta, scale, sinks, window, kv_scales)
         self.native.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        sinks, window = sinks.float().contiguous(), window or 0
+        sinks, window = None if sinks is None else sinks.float().contiguous(), window or 0
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         if meta.decode_rows is not None:

@@ -1,4 +1,5 @@
-"""Attention with sinks and a sliding window (gpt-oss), over the paged cache the backend wrote:
+"""Attention with sinks and a sliding window (gpt-oss; a window alone for Mistral, Mixtral, Qwen2 and
+Qwen3-MoE: sinks None), over the paged cache the backend wrote:
 
     p = softmax([q.k_j * scale for j in window] + [sink_h])      the sink takes a share and gives no value
     out = sum_j p_j v_j                                          j: positions q_pos - window < j <= q_pos
@@ -19,13 +20,15 @@ QUERY_BLOCK = 256           # prefill query rows per score matrix
 
 
 def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, sinks: torch.Tensor, window: int | None, kv_scales=None) -> torch.Tensor:
-    """q [T, H, D] (rotated; the step's keys and values already in the cache), sinks [H] -> [T, H * D]."""
+                   scale: float, sinks: torch.Tensor | None, window: int | None, kv_scales=None) -> torch.Tensor:
+    """q [T, H, D] (rotated; the step's keys and values already in the cache), sinks [H] or None (no sink
+    logit) -> [T, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     k_scale, v_scale = scale_pair(kv_scales)
+    sinks = None if sinks is None else sinks.float()
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows].float(), k_cache, v_cache, meta, scale, sinks.float(),
+        out[meta.decode_rows] = _decode(q[meta.decode_rows].float(), k_cache, v_cache, meta, scale, sinks,
                                         window, k_scale, v_scale)
     for s in meta.seqs:
         if meta.decode_rows is not None and s.query_len == 1:
@@ -37,7 +40,7 @@ def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             r1 = min(r0 + QUERY_BLOCK, s.query_len)
             rows = slice(s.query_start + r0, s.query_start + r1)
             q_pos = torch.arange(first + r0, first + r1, device=q.device)
-            out[rows] = _attend(q[rows].float().transpose(0, 1), keys, values, q_pos, scale, sinks.float(),
+            out[rows] = _attend(q[rows].float().transpose(0, 1), keys, values, q_pos, scale, sinks,
                                 window).transpose(0, 1)
     return out.to(q.dtype).reshape(num_tokens, num_heads * head_dim)
 
@@ -49,15 +52,17 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     return keep if window is None else keep & (ahead < window)
 
 
-def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """scores [..., H, n, L] (masked with -inf), sinks [H] -> probabilities [..., H, n, L] with the sink's
-    share left out."""
+    share left out; sinks None: the plain softmax."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
     sink = sinks.view(-1, 1, 1).expand(*scores.shape[:-1], 1)
     return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
-            sinks: torch.Tensor, window: int | None) -> torch.Tensor:
+            sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
     """q [H, n, D]; keys/values [KV, L, D] (positions 0..L-1) -> [H, n, D]."""
     group = q.shape[0] // keys.shape[0]
     k = keys.repeat_interleave(group, dim=0)                      # [H, L, D]
@@ -68,7 +73,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: to
     return torch.matmul(_with_sinks(scores, sinks), v)
 
 
-def _decode(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks: torch.Tensor,
+def _decode(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None,
             window: int | None, k_scale, v_scale) -> torch.Tensor:
     """q [R, H, D], one new token per request, over meta.decode_slots [R, L] (padded) -> [R, H, D]."""
     num_reqs, num_heads, head_dim = q.shape

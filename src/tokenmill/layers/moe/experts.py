@@ -1,4 +1,5 @@
-"""MoE MLPs: routed SwiGLU experts (plus DeepSeek's shared experts) behind a router.
+"""MoE MLPs: routed gated-MLP experts (plus DeepSeek's shared experts) behind a router; the activation is
+the config's hidden_act (SwiGLU by default, layers/activation.py) or gpt-oss's clamped SwiGLU.
 
     SparseMoeBlock(x [T, hidden]) = sum over the token's k experts of w_e * expert_e(x) (+ shared(x))
 
@@ -25,16 +26,17 @@ from torch import nn
 from tokenmill.config import MoEConfig
 from tokenmill.distributed.communication import all_gather_rows, all_reduce, all_to_all_rows, exchange_counts
 from tokenmill.distributed.parallel_state import expert_parallel, split_evenly, tensor_parallel
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.linear import MergedLinear, RowParallelLinear
 from tokenmill.layers.moe.kernels import GroupedLinears, MoEKernel, get_moe_kernel
 from tokenmill.layers.moe.router import Router
-from tokenmill.platforms import op_kernels
 
 
 class Expert(nn.Module):
-    """One gated MLP, x [N, hidden] -> [N, hidden]: down(act(gate_up(x))), act SwiGLU or gpt-oss's clamped
-    SwiGLU (`moe.activation`), biases where `moe.expert_bias`. `split`: this tensor-parallel rank holds a run
-    of the intermediate columns and returns a partial sum (the caller reduces); else it is whole."""
+    """One gated MLP, x [N, hidden] -> [N, hidden]: down(act(gate_up(x))), act `moe.activation` (the config's
+    hidden_act, SiLU by default, or gpt-oss's clamped SwiGLU), biases where `moe.expert_bias`. `split`: this
+    tensor-parallel rank holds a run of the intermediate columns and returns a partial sum (the caller
+    reduces); else it is whole."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, split: bool,
                  moe: MoEConfig | None = None) -> None:
@@ -46,11 +48,18 @@ class Expert(nn.Module):
                                          shard_runs={"gate": run, "up": run})
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype, cols=run)
         self.down_proj.reduce = False                       # the MoE block reduces once for all experts
-        self.silu_and_mul = op_kernels().silu_and_mul if moe is None or moe.activation == "silu" else \
-            partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+        # act(gate) * up over [N, 2I] -> [N, I] (the MoE kernels read it by this name, whatever the act)
+        self.silu_and_mul = expert_activation(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+def expert_activation(moe: MoEConfig | None):
+    """The experts' act_and_mul: gpt-oss's clamped SwiGLU, else the gated `moe.activation` (SiLU without moe)."""
+    if moe is not None and moe.activation == "clamped_swiglu":
+        return partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+    return gated_activation("silu" if moe is None else moe.activation)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -139,8 +148,9 @@ class SparseMoeBlock(nn.Module):
         ep = expert_parallel()
         self.gate = Router(hidden, moe)
         self.experts = FusedMoE(hidden, moe, dtype)
+        # DeepSeek's shared experts: the routed ones' activation (the config's hidden_act) and biases (none)
         self.shared_experts = (Expert(hidden, moe.num_shared_experts * moe.expert_intermediate_size, dtype,
-                                      split=ep.size == 1) if moe.num_shared_experts else None)
+                                      split=ep.size == 1, moe=moe) if moe.num_shared_experts else None)
         self.expert_parallel = ep.size > 1
         self.reduce = tensor_parallel().size > 1 and not self.expert_parallel
 
