@@ -87,12 +87,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   slots.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: contiguous inputs");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
+              "paged_decode_attention: slots and lens must be int64, got ", slots.scalar_type(), " and ",
+              lens.scalar_type());
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none), got ", window);
+  decode_attention::check_decode_args("paged_decode_attention", q, k_cache, v_cache, slots, lens, window);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), L = slots.size(1);
-  TORCH_CHECK(H % KV == 0 && k_cache.size(2) == D && slots.size(0) == R && lens.size(0) == R);
   const int64_t G = H / KV;
-  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none), got ", window);
   const float* sp_sinks = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H,
@@ -137,15 +139,26 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
               "write_kv_cache: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   slots.scalar_type() == torch::kInt64, "write_kv_cache: contiguous caches, int64 slots");
+  TORCH_CHECK(k.dim() == 3, "write_kv_cache: k must be [T, KV, D], got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), "write_kv_cache: v must have k's sizes ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv_cache: head_dim must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 3, "write_kv_cache: k_cache must be [KV, S, D], got ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "write_kv_cache: v_cache must have k_cache's sizes ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
   const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(0) == KV && k_cache.size(2) == D, "write_kv_cache: k [T, KV, D] = ", k.sizes(),
+              " must match the cache's [KV, S, D] = ", k_cache.sizes(), " in kv heads and head dim");
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == T, "write_kv_cache: slots must be [", T,
+              "] (one per token of k), got ", slots.sizes());
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_cache: slot out of range");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_cache: slot out of range: slots[", t, "] = ", sp[t],
+                ", expected 0 <= slot < ", S, " (the cache's slots)");
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = sp[t];

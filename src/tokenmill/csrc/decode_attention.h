@@ -6,6 +6,8 @@
 // the key scale folds into the query's softmax scale, the value scale into the final normalization.
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +26,48 @@ namespace decode_attention {
 // First context position a query at position lens - 1 reads with a sliding window (0: none).
 inline int64_t window_start(int64_t len, int64_t window) {
   return window > 0 && len > window ? len - window : 0;
+}
+
+// The checks both decode wrappers (paged_decode_attention, paged_decode_attention_fp8) run on every call,
+// before any cache row is read: the caches' shapes agree, each row's length lies in 1 <= lens[r] <= L (the
+// slot table's columns) and every slot it reads (positions window_start .. lens[r] - 1; padding past lens[r]
+// is never read) lies in [0, S). O(rows + slots read): a min / max per row, one TORCH_CHECK per row.
+//   q [R, H, D], k_cache / v_cache [KV, S, D], slots [R, L], lens [R]; the caller has checked the dtypes
+//   (slots and lens int64) and that all are contiguous.
+inline void check_decode_args(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& lens,
+                              int64_t window) {
+  TORCH_CHECK(q.dim() == 3, name, ": q must be [R, H, D], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) >= 1, name, ": k_cache must be [KV, S, D] with KV >= 1, got ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), name, ": v_cache must have k_cache's sizes ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D, name, ": k_cache's head dim must be q's ", D, ", got ", k_cache.size(2));
+  TORCH_CHECK(H % KV == 0, name, ": q's ", H, " heads must be a multiple of the cache's ", KV, " kv heads");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == R, name, ": slots must be [", R, ", L] (a row per query), got ",
+              slots.sizes());
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == R, name, ": lens must be [", R, "], got ", lens.sizes());
+  const int64_t L = slots.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = lp[r];
+    TORCH_CHECK(n >= 1 && n <= L, name, ": lens[", r, "] = ", n, ", expected 1 <= lens <= ", L,
+                " (the slot table's columns)");
+    const int64_t* row = sp + r * L;
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+    for (int64_t j = window_start(n, window); j < n; ++j) {
+      lo = std::min(lo, row[j]);
+      hi = std::max(hi, row[j]);
+    }
+    if (lo < 0 || hi >= S) {                                 // name the first bad entry
+      int64_t j = window_start(n, window);
+      while (row[j] >= 0 && row[j] < S) ++j;
+      TORCH_CHECK(false, name, ": slot out of range: slots[", r, ", ", j, "] = ", row[j], ", expected 0 <= slot < ",
+                  S, " (the cache's slots)");
+    }
+  }
 }
 
 // A sink logit's term in a softmax denominator whose scores were exponentiated relative to m:

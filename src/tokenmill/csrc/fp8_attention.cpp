@@ -101,11 +101,14 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   lens.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous(),
               "paged_decode_attention_fp8: contiguous inputs");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
+              "paged_decode_attention_fp8: slots and lens must be int64, got ", slots.scalar_type(), " and ",
+              lens.scalar_type());
+  decode_attention::check_decode_args("paged_decode_attention_fp8", q, k_cache, v_cache, slots, lens, 0);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), L = slots.size(1);
-  TORCH_CHECK(H % KV == 0 && k_cache.size(2) == D && slots.size(0) == R && lens.size(0) == R &&
-              k_scale.numel() == KV && v_scale.numel() == KV);
+  TORCH_CHECK(k_scale.numel() == KV && v_scale.numel() == KV, "paged_decode_attention_fp8: k_scale and v_scale "
+              "must be float32 [", KV, "] (one per kv head), got ", k_scale.sizes(), " and ", v_scale.sizes());
   const int64_t G = H / KV;
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -196,10 +199,13 @@ void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::T
                         const torch::Tensor& v_scale) {
   check_fp8_write_args(k, k_cache, k_scale, slot_mapping);
   check_fp8_write_args(v, v_cache, v_scale, slot_mapping);
+  TORCH_CHECK(v.sizes() == k.sizes(), "write_kv_cache_fp8: v must have k's sizes ", k.sizes(), ", got ", v.sizes());
   const int64_t T = k.size(0), KV = k.size(1), D = k.size(2), S = k_cache.size(1);
   TORCH_CHECK(v_cache.size(1) == S, "write_kv_cache_fp8: the key and value caches must hold as many slots");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "write_kv_cache_fp8: slot out of range");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "write_kv_cache_fp8: slot out of range: slots[", t, "] = ", slots[t],
+                ", expected 0 <= slot < ", S, " (the cache's slots)");
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *ks = k_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
   uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());

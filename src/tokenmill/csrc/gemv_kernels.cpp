@@ -42,6 +42,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only (gemv_kernels.h)
@@ -78,12 +79,32 @@ struct QuantizedRows {
         const int64_t i = ((m / T) * G + g) * T + m % T;
         const float* xg = x + m * ldx + 32 * g;
         const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float scale = amax > 0.f ? amax / 127.f : 1.f;
-        const __m512 inv = _mm512_set1_ps(1.f / scale);
-        // round to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, saturated anyway
-        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        const __m512 abs_a = _mm512_abs_ps(a), abs_b = _mm512_abs_ps(b);
         int8_t* out = xi.data() + 32 * i;
+        // A NaN or an infinity in the group (|x| not below inf, unordered included): no int8 stands for it
+        // (cvtps_epi32 gives INT_MIN). The group's scale and sums become NaN, so every output of the row is
+        // NaN, as torch's float32 product gives for a NaN input (an infinite one: inf or NaN per output).
+        const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+        if (_mm512_cmp_ps_mask(abs_a, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(abs_b, inf, _CMP_NLT_UQ)) {
+          const float nan = std::numeric_limits<float>::quiet_NaN();
+          std::memset(out, 0, 32);
+          s[i] = nan;
+          xsum[i] = nan;
+          if (half_sums) hoffset[2 * i] = hoffset[2 * i + 1] = 0;
+          sh = nan;
+          continue;
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(abs_a, abs_b));
+        float scale = amax > 0.f ? amax / 127.f : 1.f;
+        // magnitudes all below about 3.7e-37: 1 / scale overflows to inf (x * inf and 0 * inf convert to
+        // INT_MIN): quantized as zeros instead, as an all-zero group (their share of an output is ~1e-35 |w|)
+        if (1.f / scale == std::numeric_limits<float>::infinity()) scale = 1.f;
+        const __m512 inv = _mm512_set1_ps(1.f / scale);
+        // round to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding. Saturated to int8's
+        // range here, so the sums below are those of the stored bytes
+        const __m512i lo8 = _mm512_set1_epi32(-128), hi8 = _mm512_set1_epi32(127);
+        const __m512i ia = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lo8), hi8);
+        const __m512i ib = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lo8), hi8);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(ia));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(ib));
         s[i] = scale;

@@ -404,10 +404,17 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
                   run_starts.is_contiguous(),
               "moe_grouped_gemm: run_starts must be int64 [E + 1]");
   const int64_t* starts = run_starts.data_ptr<int64_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[E] == R, "moe_grouped_gemm: run_starts must go from 0 to the rows of x");
+  TORCH_CHECK(starts[0] == 0 && starts[E] == R, "moe_grouped_gemm: run_starts must go from 0 to the rows of x (",
+              R, "), got run_starts[0] = ", starts[0], " and run_starts[", E, "] = ", starts[E]);
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(starts[e] <= starts[e + 1], "moe_grouped_gemm: run_starts must be non-decreasing, got run_starts[", e,
+                "] = ", starts[e], " > run_starts[", e + 1, "] = ", starts[e + 1]);
   auto y = torch::empty({R, N}, x.options());
   RowScales scales;
   scales.KB = KB;
+  TORCH_CHECK(w.scalar_type() != torch::kFloat32 || (!scale.has_value() && !row_scale.has_value()),
+              "moe_grouped_gemm: float32 weights take no scale or row_scale (they would be ignored), got a ",
+              scale.has_value() ? "scale" : "row_scale");
   if (w.scalar_type() != torch::kFloat32) {
     TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->numel() == E * N * KB,
                 "moe_grouped_gemm: int8 / FP8 / FP4 weights need scales [E, N, K / kblock]");
@@ -498,7 +505,9 @@ torch::Tensor fp8_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tenso
               "fp8_linear_bf16: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ", codes.sizes());
   const int64_t N = codes.size(0), K = codes.size(1);
   if (kblock <= 0) kblock = K;
-  TORCH_CHECK(kblock == K || kblock % 8 == 0, "fp8_linear_bf16: kblock must be K or a multiple of 8");
+  // fp8_to_bf16 applies one scale per 16 codes: a block of 8 (24, 40, ...) inputs would get its neighbour's
+  TORCH_CHECK(kblock == K || kblock % 16 == 0, "fp8_linear_bf16: kblock must be K (", K,
+              ") or a multiple of 16, got ", kblock);
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
                   scales.numel() == N * ((K + kblock - 1) / kblock),
               "fp8_linear_bf16: scales must be contiguous float32 [N, K / kblock]");
