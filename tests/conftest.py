@@ -13,6 +13,12 @@ import time
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run only under its interpreter, a mode read when triton is first imported:
+# set here, before any test module (or a library it imports) imports triton, so the order the modules are
+# collected in does not decide it (a module that set it itself came too late after another imported triton)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEFAULT_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 # per architecture, on top of DEFAULT_TINY (DeepSeek-V3: its HF tester's kind of shapes: a latent of 16,
