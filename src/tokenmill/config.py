@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import numbers
 import os
 import typing
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from tokenmill.sampling_params import builtin_number
 
 # the gated MLPs' activations (HF config hidden_act) tokenmill computes: act(gate) * up, as transformers'
 # ACT2FN (silu = swish; gelu exact, with erf; gelu_pytorch_tanh the tanh approximation); layers/activation.py
@@ -332,17 +333,12 @@ def _field_types(cls) -> dict[str, tuple[type, ...]]:
 
 
 def _plain_value(value):
-    """A path object as its str, a numpy (or other numbers.Integral / Real) scalar as int / float; else
-    value itself. Callers pass pathlib paths and numpy numbers; fields hold plain values."""
+    """A path object as its str, a numpy (or other numbers.Integral / Real) scalar as int / float
+    (sampling_params.builtin_number); else value itself. Callers pass pathlib paths and numpy numbers; fields
+    hold plain values."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
+    return builtin_number(value)
 
 
 def _has_type(value, allowed: tuple[type, ...]) -> bool:

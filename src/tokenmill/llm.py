@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Iterator, Sequence
 
 from tokenmill.config import EngineArgs
@@ -10,8 +11,9 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict     # dict: vLLM's {"prompt": str} or {"prompt_token_ids": [...]}
 Message = dict
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -43,6 +45,8 @@ class LLM:
         request that fails in the engine raises RequestFailedError naming its prompt, and the rest of the
         batch is aborted. Either way the engine stays usable."""
         prompts = _as_prompt_list(prompts)
+        texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+        prompts = [_engine_prompt(p) for p in prompts]
         params = _as_params_list(sampling_params, len(prompts))
         ids: dict[str, int] = {}                 # request id -> prompt index
         done: dict[str, RequestOutput] = {}
@@ -58,7 +62,11 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return [done[rid] for rid in ids]
+        outs = [done[rid] for rid in ids]
+        for out, text in zip(outs, texts):     # token-id prompts given with their text keep it
+            if out.prompt is None and isinstance(text, str):
+                out.prompt = text
+        return outs
 
     def _add(self, prompt: Prompt, params: SamplingParams, stream: bool = False) -> str:
         rid = str(next(self._ids))
@@ -67,7 +75,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive (`.outputs[i].new_text` is the delta)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), stream=True)
+        rid = self._add(_engine_prompt(prompt), sampling_params or SamplingParams(), stream=True)
         finished = False
         try:
             while not finished:
@@ -84,7 +92,11 @@ class LLM:
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or several; uses the model's chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c, add_generation_prompt) for c in convs], sampling_params)
+        prompts = []
+        for c in convs:
+            text, ids = _render_chat(self.tokenizer, c, add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})   # prompt: the rendered text, as vLLM's
+        return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
@@ -92,13 +104,18 @@ class LLM:
 
 def apply_chat_template(tokenizer, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation through the model's chat template; a clear error without one."""
+    return _render_chat(tokenizer, messages, add_generation_prompt)[1]
+
+
+def _render_chat(tokenizer, messages: list[Message], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """(text, token ids) of a conversation through the model's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def _raise_if_failed(out: RequestOutput, which: str | None = None) -> None:
@@ -108,14 +125,44 @@ def _raise_if_failed(out: RequestOutput, which: str | None = None) -> None:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts):
+        return [_token_ids(prompts)]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
                         f"{type(prompts).__name__}")
-    return list(prompts)
+    return [_token_ids(p) if isinstance(p, (list, tuple)) else p for p in prompts]
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and type(t).__name__ not in ("bool", "bool_")
+
+
+def _token_ids(ids) -> list:
+    """A token-id prompt as a list, numpy (or other integral) ids as int; anything else left for the
+    engine to reject."""
+    return [int(t) if _is_token_id(t) else t for t in ids]
+
+
+def _engine_prompt(prompt):
+    """A vLLM-style prompt dict as the engine takes it: its token ids if given, else its text."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"unsupported prompt keys {unknown}; a prompt dict takes 'prompt' (a string) "
+                         f"and/or 'prompt_token_ids' (a list of token ids)")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        return _token_ids(ids)
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of token ids)")
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -56,6 +56,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the sampled tokens' logprobs (as vLLM reports it); None unless logprobs were requested."""
+        if self.logprobs is None:
+            return None
+        return float(sum(t.sampled.logprob for t in self.logprobs))
+
 
 @dataclass
 class RequestOutput:

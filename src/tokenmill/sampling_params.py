@@ -6,6 +6,7 @@ what was expected, so the server can turn it into a 400 without touching the eng
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 # Upper bound on top-k logprobs per token; the server exposes a configurable lower limit.
@@ -58,14 +59,19 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
-        object.__setattr__(self, "stop_token_ids",
-                           _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids"))
+        object.__setattr__(self, "stop_token_ids", tuple(builtin_number(t) for t in _as_tuple(
+            "stop_token_ids", self.stop_token_ids, "a list of token ids")))
+        for name in _NUMBER_FIELDS:        # numpy (or other numbers.Real) scalars as the Python int / float
+            object.__setattr__(self, name, builtin_number(getattr(self, name)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
     def _validate(self) -> None:
         _int_at_least("n", self.n, 1)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):    # "false" or None would read as true / false
+                _fail(name, getattr(self, name), "True or False")
         if not (_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             _fail("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
@@ -127,6 +133,23 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "ttft_target_ms",
+                  "tpot_target_ms")
+
+
+def builtin_number(x):
+    """A non-builtin integral / real scalar (numpy's, say) as int / float; anything else unchanged (bools
+    too: they are rejected where a number is expected)."""
+    if isinstance(x, (int, float)) or type(x).__name__ in ("bool", "bool_"):
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    return x
 
 
 def _is_number(x) -> bool:
