@@ -52,7 +52,7 @@ class CPUGroupedGemm(MoEKernel):
                 for layer in layers:
                     layer.qweight = None
         self.native = cpu_native.load()
-        self.silu_and_mul = experts[0].silu_and_mul
+        self.act_and_mul = experts[0].act_and_mul
 
     def __call__(self, moe, x, experts):
         order = torch.argsort(experts, stable=True)
@@ -60,7 +60,7 @@ class CPUGroupedGemm(MoEKernel):
         starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
         xs = x.index_select(0, order).float().contiguous()
         h = self.native.moe_grouped_gemm(xs, starts, moe.w13, moe.w13_scale)
-        ys = self.native.moe_grouped_gemm(self.silu_and_mul(h).contiguous(), starts, moe.w2, moe.w2_scale)
+        ys = self.native.moe_grouped_gemm(self.act_and_mul(h).contiguous(), starts, moe.w2, moe.w2_scale)
         y = torch.empty_like(ys)
         y[order] = ys
         return y.to(x.dtype)

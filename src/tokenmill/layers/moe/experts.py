@@ -48,11 +48,11 @@ class Expert(nn.Module):
                                          shard_runs={"gate": run, "up": run})
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype, cols=run)
         self.down_proj.reduce = False                       # the MoE block reduces once for all experts
-        # act(gate) * up over [N, 2I] -> [N, I] (the MoE kernels read it by this name, whatever the act)
-        self.silu_and_mul = expert_activation(moe)
+        # act(gate) * up over [N, 2I] -> [N, I] (the MoE kernels apply it between their two grouped GEMMs)
+        self.act_and_mul = expert_activation(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def expert_activation(moe: MoEConfig | None):

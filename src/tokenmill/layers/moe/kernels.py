@@ -57,13 +57,13 @@ class TritonGroupedGemm(MoEKernel):
         for e in experts:                          # the stacked copies are what is read from now on
             e.gate_up_proj.weight = None
             e.down_proj.weight = None
-        self.silu_and_mul = experts[0].silu_and_mul
+        self.act_and_mul = experts[0].act_and_mul
 
     def __call__(self, moe, x, experts):
         from tokenmill.layers.moe.triton_moe import grouped_matmul, sort_rows_by_expert
         layout = sort_rows_by_expert(experts, moe.num_local)
         h = grouped_matmul(x, moe.w13, layout)                        # [N, 2 * intermediate]
-        return grouped_matmul(self.silu_and_mul(h), moe.w2, layout)
+        return grouped_matmul(self.act_and_mul(h), moe.w2, layout)
 
 
 MOE_KERNELS = {"grouped_linears": "tokenmill.layers.moe.kernels:GroupedLinears",     # name -> module:class
