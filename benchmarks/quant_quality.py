@@ -55,8 +55,9 @@ NUM_TOKENS = 32
 
 def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
-    `tokenmill quantize`), a weight quantization method, or "fp8-kv" (float32 weights, FP8 KV cache, which
-    both paths read: the native prefill kernel reads a chunk's own new keys and values as cached).
+    `tokenmill quantize`), a weight quantization method, or "fp8-kv" / "bf16-kv" (float32 weights, an FP8 or
+    bfloat16 KV cache, which both paths read: the native prefill kernel reads a chunk's own new keys and values
+    as cached).
     The suffix "-exact" (on "fp8", "nvfp4", "mxfp4" or an FP8 checkpoint's name) turns the format's fast
     mode off: its float32-activation reference (quant.exact_mode); without it the fast mode runs where the
     native kernels exist (FP4: int8 activations at every step; FP8: bfloat16 GEMMs above 16 rows)."""
@@ -67,8 +68,9 @@ def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     with exact_mode("fp8" if checkpoints and base in checkpoints else base) if exact else contextlib.nullcontext():
         if checkpoints and base in checkpoints:
             return LLM(checkpoints[base], enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
-        if mode == "fp8-kv":
-            return LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
+        if mode in ("fp8-kv", "bf16-kv"):
+            return LLM(kv_cache_dtype={"fp8-kv": "fp8", "bf16-kv": "bfloat16"}[mode], enable_prefix_caching=False,
+                       kv_cache_memory_bytes=1 << 27)
         return LLM(quantization=base, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 27)
 
 

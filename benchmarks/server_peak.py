@@ -45,8 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--systems", default="slo,fcfs,llama-server",
                    help="comma list of: slo, fcfs (tokenmill serve --scheduling-policy), llama-server; a "
                         "policy may add a parallel layout: slo+dp2 (2 replicas), slo+tp2 (2 tensor-parallel "
-                        "ranks), the CPU threads split between them; and +spec: speculation as "
-                        "--speculative-config says (slo,slo+spec: with and without, side by side)")
+                        "ranks), the CPU threads split between them; +spec: speculation as "
+                        "--speculative-config says (slo,slo+spec: with and without, side by side); +bf16kv / "
+                        "+fp8kv: a bfloat16 / FP8 KV cache (slo,slo+bf16kv: float32 against bfloat16 KV)")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
@@ -105,6 +106,8 @@ def free_port() -> int:
 
 # A tokenmill system's parallel layout: the name after "+" in --systems, and the serve flags it adds.
 PARALLEL_LAYOUTS = {"": [], "dp2": ["--data-parallel-size", "2"], "tp2": ["--tensor-parallel-size", "2"]}
+# A tokenmill system's KV cache: the name after "+" in --systems, and the --kv-cache-dtype it sets.
+KV_CACHES = {"bf16kv": "bfloat16", "fp8kv": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -125,11 +128,12 @@ def systems(args, gguf: str, port: int) -> list[System]:
     for name in args.systems.split(","):
         policy, *extras = name.split("+")
         spec = "spec" in extras
-        layouts = [e for e in extras if e != "spec"]
+        caches = [e for e in extras if e in KV_CACHES]
+        layouts = [e for e in extras if e != "spec" and e not in KV_CACHES]
         layout = layouts[0] if len(layouts) == 1 else "" if not layouts else None
         if spec and not args.speculative_config:
             sys.exit(f"system {name!r} speculates: give --speculative-config JSON")
-        if policy in ("slo", "fcfs") and layout in PARALLEL_LAYOUTS:
+        if policy in ("slo", "fcfs") and layout in PARALLEL_LAYOUTS and len(caches) <= 1:
             cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", policy, "--no-prefix-caching"]
             cmd += PARALLEL_LAYOUTS[layout]
             if args.quantization != "none":
@@ -138,6 +142,8 @@ def systems(args, gguf: str, port: int) -> list[System]:
                 cmd += ["--slo-profile", args.profile]
             if spec:
                 cmd += ["--speculative-config", args.speculative_config]
+            if caches:
+                cmd += ["--kv-cache-dtype", KV_CACHES[caches[0]]]
             out.append(System(f"tokenmill-{name}", cmd))
         elif name == "llama-server":
             if not os.access(args.llama_server, os.X_OK):
@@ -153,8 +159,8 @@ def systems(args, gguf: str, port: int) -> list[System]:
                 cmd.append("--no-repack")
             out.append(System("llama-server", cmd))
         else:
-            sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2, and +spec) or "
-                     "llama-server")
+            sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2, +spec, and +bf16kv "
+                     "or +fp8kv) or llama-server")
     return out
 
 

@@ -102,7 +102,7 @@ class ModelConfig:
     mla: MLAConfig | None = None     # None: grouped-query attention with K/V heads
     qk_norm: bool = False            # RMSNorm on each q and k head before rotary (Qwen3)
     num_mtp_layers: int = 0          # DeepSeek's multi-token-prediction layers after the main ones
-    kv_cache_dtype: torch.dtype | None = None   # None: dtype; torch.float8_e4m3fn: the FP8 cache (fp8_kv.py)
+    kv_cache_dtype: torch.dtype | None = None   # None: dtype; bfloat16; float8_e4m3fn: the FP8 cache (fp8_kv.py)
     # tokens each layer attends back to (its own included), None: the whole context (gpt-oss alternates
     # sliding layers of 128 with full ones; Mistral, Mixtral, Qwen3-MoE slide on every layer, Qwen2 on the
     # layers from max_window_layers on); () for every layer full
@@ -171,7 +171,8 @@ class ModelConfig:
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """What the KV cache stores: the compute dtype, or float8_e4m3fn with kv_cache_dtype="fp8"."""
+        """What the KV cache stores: the compute dtype, bfloat16 with kv_cache_dtype="bfloat16", or float8_e4m3fn
+        with kv_cache_dtype="fp8"."""
         return self.kv_cache_dtype or self.dtype
 
     def kv_bytes_per_token_all_ranks(self, tensor_parallel_size: int) -> int:
@@ -308,14 +309,18 @@ def _as_tuple(x) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
-# kv_cache_dtype option -> what the cache stores (None: the model's dtype); FP8 as layers/attention/fp8_kv.py
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# kv_cache_dtype option -> what the cache stores (None: the model's dtype). bfloat16: two bytes a value, each
+# key and value rounded to nearest even as written and read back exactly as float32 (llama.cpp's default cache is
+# float16, vLLM's the model's bfloat16); FP8 as layers/attention/fp8_kv.py.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {sorted(KV_CACHE_DTYPES)} "
-                         "('auto': the model's dtype; 'fp8' = 'fp8_e4m3': one byte a value with per-head scales)")
+                         "('auto': the model's dtype; 'bfloat16': two bytes a value; 'fp8' = 'fp8_e4m3': one byte a value with "
+                         "per-head scales)")
     return KV_CACHE_DTYPES[name]
 
 
@@ -591,7 +596,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None # KV pool size; overrides the fraction
     kv_cache_memory_fraction: float = 0.25   # CPU: of currently available memory
     gpu_memory_utilization: float = 0.9      # GPU: fraction of the device for weights, KV cache, activations
-    kv_cache_dtype: str = "auto"             # "auto": the model's dtype | "fp8" (= "fp8_e4m3"): 1 byte a value
+    kv_cache_dtype: str = "auto"             # "auto": the model's dtype | "bfloat16" | "fp8" (= "fp8_e4m3")
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0    # largest prefill chunk per request per step; 0: the budget
@@ -649,9 +654,9 @@ class EngineArgs:
             help="CPU: the KV pool's share of the memory available after loading")
         add("--gpu-memory-utilization", type=float, default=0.9,
             help="GPU: the share of the device's memory for weights, KV cache and activations")
-        add("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-            help="KV cache storage: auto (the model's dtype) or fp8 (E4M3 with per-head scales from "
-                 "the checkpoint or calibrated on the first tokens)")
+        add("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+            help="KV cache storage: auto (the model's dtype), bfloat16 (two bytes a value, rounded to nearest "
+                 "even) or fp8 (E4M3 with per-head scales from the checkpoint or calibrated on the first tokens)")
         add("--max-num-seqs", type=int, default=256)
         add("--max-num-batched-tokens", type=int, default=2048)
         add("--long-prefill-token-threshold", type=int, default=0,

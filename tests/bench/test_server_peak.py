@@ -120,3 +120,17 @@ def test_an_unconfirmed_peak_is_marked_in_the_table(tmp_path, capsys):
     assert "| 1.500* |" in _table_line(out, "| system |", "tokenmill-slo")
     assert "| 1.000 |" in _table_line(out, "| system |", "llama-server")
     assert "* not confirmed" in out
+
+
+def test_kv_cache_variants_set_the_cache_dtype_and_combine_with_the_others():
+    args = argparse.Namespace(systems="slo,slo+bf16kv,fcfs+dp2+fp8kv", quantization="int4", profile="llama3.1-8b",
+                              speculative_config=None, llama_server="/nonexistent", llama_slots=16)
+    built = {s.name: s.command for s in server_peak.systems(args, "model.gguf", 8123)}
+    assert "--kv-cache-dtype" not in built["tokenmill-slo"]
+    cmd = built["tokenmill-slo+bf16kv"]
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "bfloat16"
+    cmd = built["tokenmill-fcfs+dp2+fp8kv"]
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and "--data-parallel-size" in cmd
+    args.systems = "slo+bf16kv+fp8kv"
+    with pytest.raises(SystemExit, match="unknown system"):
+        server_peak.systems(args, "model.gguf", 8123)

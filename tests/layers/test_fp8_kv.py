@@ -149,12 +149,26 @@ def test_native_fp8_prefill_reads_the_codes_in_place(chunks, head_dim, kv_heads,
     assert (out - ref).abs().max().item() < 1e-4
 
 
-def _run(model_dir, kv_cache_dtype, backend="cpu"):
+def _run(model_dir, kv_cache_dtype, backend="cpu", native=True):
     llm = LLM(model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, max_num_batched_tokens=13,
-              block_size=4, kv_cache_memory_bytes=1 << 22)
+              block_size=4, kv_cache_memory_bytes=1 << 22, native_decode_layers=native)
     captured = capture_logits(llm)
     outs = llm.generate(prompts(1, [5, 30, 17, 1]), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     return llm, outs, captured
+
+
+def worst_logit_difference(ref_outs, ref_rows, outs, rows, bound: float) -> float:
+    """The largest |logit difference| of two runs' steps, each request up to its first differing token (a
+    near-tie of the reference's logits, within 2 x bound, that flipped: later steps see other tokens)."""
+    worst = 0.0
+    for a, b in zip(ref_outs, outs):
+        for j, (x, y) in enumerate(zip(ref_rows[a.request_id], rows[b.request_id])):
+            worst = max(worst, (x - y).abs().max().item())
+            mine, theirs = b.outputs[0].token_ids[j], a.outputs[0].token_ids[j]
+            if mine != theirs:
+                assert x[theirs] - x[mine] <= 2 * bound
+                break
+    return worst
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -163,14 +177,7 @@ def test_fp8_cache_logits_within_bound_of_fp32_cache(tiny_model_dir, backend):
     FP8 context, decodes read all of it."""
     _, ref_outs, ref_rows = _run(tiny_model_dir, "auto", backend)
     llm, outs, rows = _run(tiny_model_dir, "fp8", backend)
-    worst = 0.0
-    for a, b in zip(ref_outs, outs):
-        for j, (x, y) in enumerate(zip(ref_rows[a.request_id], rows[b.request_id])):
-            worst = max(worst, (x - y).abs().max().item())
-            mine, theirs = b.outputs[0].token_ids[j], a.outputs[0].token_ids[j]
-            if mine != theirs:          # a near-tie of the fp32 logits flipped: later steps see other tokens
-                assert x[theirs] - x[mine] <= 2 * LOGIT_BOUND
-                break
+    worst = worst_logit_difference(ref_outs, ref_rows, outs, rows, LOGIT_BOUND)
     print(f"max |logit difference| fp8 vs fp32 KV: {worst:.3g}")
     assert 0 < worst <= LOGIT_BOUND        # > 0: the cache really is FP8
     cfg = llm.engine.config.model
@@ -179,14 +186,16 @@ def test_fp8_cache_logits_within_bound_of_fp32_cache(tiny_model_dir, backend):
     assert layer.k_cache.dtype == torch.float8_e4m3fn and layer.kv_scales.ready
 
 
-def test_fp8_cache_capacity_is_four_times_fp32(tiny_model_dir):
+@pytest.mark.parametrize("dtype,factor", [("fp8", 4), ("bfloat16", 2)])
+def test_cache_capacity_grows_as_a_value_shrinks(tiny_model_dir, dtype, factor):
+    """FP8: a quarter of float32's bytes a value, four times the blocks in the same memory; bfloat16: half, twice."""
     sizes = {}
-    for dtype in ("auto", "fp8"):
-        llm = LLM(tiny_model_dir, kv_cache_dtype=dtype, kv_cache_memory_bytes=1 << 22)
+    for name in ("auto", dtype):
+        llm = LLM(tiny_model_dir, kv_cache_dtype=name, kv_cache_memory_bytes=1 << 22)
         stats = llm.engine.core.stats()
-        sizes[dtype] = (llm.engine.config.cache.num_blocks, stats.kv_bytes_per_token)
-    assert sizes["fp8"][1] * 4 == sizes["auto"][1]
-    assert sizes["fp8"][0] >= 4 * sizes["auto"][0] - 1
+        sizes[name] = (llm.engine.config.cache.num_blocks, stats.kv_bytes_per_token)
+    assert sizes[dtype][1] * factor == sizes["auto"][1]
+    assert sizes[dtype][0] >= factor * sizes["auto"][0] - 1
 
 
 def test_checkpoint_scales_are_used(tiny_model_factory, tmp_path):

@@ -136,20 +136,20 @@ def _fp8(k_cache, v_cache):
     return k8, v8, scales, dequantize(k8, scales.k), dequantize(v8, scales.v)
 
 
-def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
-    """kv_cache_dtype="fp8": the kernels decode the cache's bytes in place (times each kv head's scale) to
-    exactly the values the reference backend dequantizes: decode (with context splits) and prefill chunks."""
-    head_dim, block_size, num_blocks, kv_heads, group = 64, 8, 30, 2, 2
-    k_cache, v_cache, g = _cache(kv_heads, head_dim, block_size, num_blocks, seed=5)
-    k8, v8, scales, k_ref, v_ref = _fp8(k_cache, v_cache)
+def _check_against_reference_values(k_stored, v_stored, k_ref, v_ref, g, **kwargs):
+    """The kernels over caches as stored (fp8 codes, bfloat16, ...) equal the reference backend over the float
+    values they stand for (k_ref, v_ref): decode with context splits, then two prefill chunks."""
+    kv_heads, head_dim, block_size, group = k_stored.shape[0], k_stored.shape[2], 8, 2
+    num_blocks = k_stored.shape[1] // block_size
     scale = head_dim ** -0.5
     context_lens = [40, 3, 64]
     tables = _tables(context_lens, block_size, num_blocks, g)
     q = torch.randn(3, kv_heads * group, head_dim, generator=g)
     ref = _reference(q, k_ref, v_ref, tables, [0, 1, 2], [1, 1, 1], context_lens, block_size, scale)
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    out = paged_decode_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE),
-                                 block_size, scale, num_splits=3, kv_scales=scales.to(DEVICE))
+    out = paged_decode_attention(q.to(DEVICE), k_stored.to(DEVICE), v_stored.to(DEVICE), tables.to(DEVICE),
+                                 lens.to(DEVICE), block_size, scale, num_splits=3, **kwargs)
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     chunks = [(7, 9), (0, 33)]
     query_lens, ctx = [n for _, n in chunks], [s + n for s, n in chunks]
@@ -158,10 +158,26 @@ def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
     q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
     ref = _reference(q, k_ref, v_ref, tables, starts, query_lens, ctx, block_size, scale)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    out = paged_prefill_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), tables.to(DEVICE), as_tensor(starts),
-                                  as_tensor(query_lens), as_tensor(ctx), block_size, scale, max(query_lens),
-                                  kv_scales=scales.to(DEVICE))
+    out = paged_prefill_attention(q.to(DEVICE), k_stored.to(DEVICE), v_stored.to(DEVICE), tables.to(DEVICE),
+                                  as_tensor(starts), as_tensor(query_lens), as_tensor(ctx), block_size, scale,
+                                  max(query_lens), **kwargs)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_read_an_fp8_cache_as_the_reference_reads_its_values():
+    """kv_cache_dtype="fp8": the kernels decode the cache's bytes in place (times each kv head's scale) to
+    exactly the values the reference backend dequantizes: decode (with context splits) and prefill chunks."""
+    k_cache, v_cache, g = _cache(2, 64, 8, 30, seed=5)
+    k8, v8, scales, k_ref, v_ref = _fp8(k_cache, v_cache)
+    _check_against_reference_values(k8, v8, k_ref, v_ref, g, kv_scales=scales.to(DEVICE))
+
+
+def test_kernels_read_a_bf16_cache_under_float32_queries_as_its_values_widened():
+    """kv_cache_dtype="bfloat16" under a float32 model: the kernels load the cache's bfloat16 values and compute
+    in float32, as the reference does over the same values widened: decode (context splits) and prefill."""
+    k_cache, v_cache, g = _cache(2, 64, 8, 30, seed=6)
+    k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    _check_against_reference_values(k16, v16, k16.float(), v16.float(), g)
 
 
 def _sink_reference(q, k_cache, v_cache, tables, starts, query_lens, context_lens, block_size, scale, sinks, window):

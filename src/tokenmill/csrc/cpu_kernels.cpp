@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU: one query token per request, keys and values read in place from
 // the paged cache (no gather copy), softmax over each request's own context length.
 //
-// Shapes (float32, contiguous):
+// Shapes (contiguous; q float32, the caches float32 or bfloat16):
 //   q        [R, H, D]      one query token per request; H = KV * G (grouped-query attention)
 //   k_cache  [KV, S, D]     head-major paged cache, S = num_blocks * block_size slots
 //   v_cache  [KV, S, D]
@@ -25,7 +25,10 @@
 #include "fp8_attention.h"
 #include "decode_attention.h"
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -40,17 +43,27 @@ namespace {
 using decode_attention::sink_share;
 using decode_attention::window_start;
 
-void attend_one(const float* q, const float* k_head, const float* v_head, const int64_t* slots,
+// A cached element as float32: a float32 cache's as is, a bfloat16 cache's bits (uint16_t) widened exactly.
+inline float cached(float x) { return x; }
+inline float cached(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+void attend_one(const float* q, const T* k_head, const T* v_head, const int64_t* slots,
                 int64_t n, int64_t G, int64_t D, float scale, const float* sinks, float* scores, float* out) {
   // scores [G, n], out [G, D]
   std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < n; ++l) {
-    const float* k = k_head + slots[l] * D;
+    const T* k = k_head + slots[l] * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * cached(k[d]);
       s *= scale;
       scores[g * n + l] = s;
       if (s > mx[g]) mx[g] = s;
@@ -68,14 +81,39 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
   }
   std::fill(out, out + G * D, 0.f);
   for (int64_t l = 0; l < n; ++l) {
-    const float* v = v_head + slots[l] * D;
+    const T* v = v_head + slots[l] * D;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + l] * inv[g];
       float* og = out + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+      for (int64_t d = 0; d < D; ++d) og[d] += p * cached(v[d]);
     }
   }
+}
+
+// out [R, H, D] from caches of element type T (float, or uint16_t bfloat16 bits); arguments checked.
+template <typename T>
+void decode_from_cache(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, int64_t R,
+                       int64_t H, int64_t KV, int64_t S, int64_t L, int64_t D, float sc, const float* sinks,
+                       int64_t window, float* op) {
+#if defined(__AVX512F__)
+  if (decode_attention::supports(D)) {
+    decode_attention::chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, nullptr, nullptr, sinks,
+                                               window, op);
+    return;
+  }
+#endif
+  // Portable path: one work item per (request, KV head), reading its keys and values once for all G heads.
+  const int64_t G = H / KV;
+  at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * L);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t r = idx / KV, h = idx % KV;
+      const int64_t offset = (r * H + h * G) * D, lo = window_start(lp[r], window);
+      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L + lo, lp[r] - lo, G, D, sc,
+                 sinks == nullptr ? nullptr : sinks + h * G, scores.data(), op + offset);
+    }
+  });
 }
 
 }  // namespace
@@ -83,8 +121,11 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slots, torch::Tensor lens, double scale,
                                      c10::optional<torch::Tensor> sinks, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (bf16 || k_cache.scalar_type() == torch::kFloat32),
+              "paged_decode_attention: float32 q, and float32 or bfloat16 caches of one dtype; got q ",
+              q.scalar_type(), ", caches ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   slots.is_contiguous() && lens.is_contiguous(), "paged_decode_attention: contiguous inputs");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
@@ -94,7 +135,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   decode_attention::check_decode_args("paged_decode_attention", q, k_cache, v_cache, slots, lens, window);
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(0), S = k_cache.size(1), L = slots.size(1);
-  const int64_t G = H / KV;
   const float* sp_sinks = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H,
@@ -103,40 +143,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-#if defined(__AVX512F__)
-  if (decode_attention::supports(D)) {
-    decode_attention::chunked_decode_attention(qp, kp, vp, sp, lp, R, H, KV, S, L, D, sc, nullptr, nullptr, sp_sinks,
-                                               window, op);
-    return out;
-  }
-#endif
-  // Portable path: one work item per (request, KV head), reading its keys and values once for all G heads.
-  at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * L);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t r = idx / KV, h = idx % KV;
-      const int64_t offset = (r * H + h * G) * D, lo = window_start(lp[r], window);
-      attend_one(qp + offset, kp + h * S * D, vp + h * S * D, sp + r * L + lo, lp[r] - lo, G, D, sc,
-                 sp_sinks == nullptr ? nullptr : sp_sinks + h * G, scores.data(), op + offset);
-    }
-  });
+  if (bf16)
+    decode_from_cache(qp, static_cast<const uint16_t*>(k_cache.data_ptr()),
+                      static_cast<const uint16_t*>(v_cache.data_ptr()), sp, lp, R, H, KV, S, L, D, sc, sp_sinks,
+                      window, op);
+  else
+    decode_from_cache(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, lp, R, H, KV, S, L, D, sc,
+                      sp_sinks, window, op);
   return out;
 }
 
 // Write new tokens' keys and values into their cache slots.
 //   k, v      [T, KV, D] float32 (any row stride; last dim contiguous)
-//   k_cache   [KV, S, D] float32 contiguous;  slots [T] int64
+//   k_cache   [KV, S, D] float32 or bfloat16 (rounded to nearest even, as torch's .to(torch.bfloat16)),
+//             contiguous;  slots [T] int64
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slots) {
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 &&
-                  k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "write_kv_cache: float32 only");
+                  k_cache.scalar_type() == v_cache.scalar_type() && (bf16 || k_cache.scalar_type() == torch::kFloat32),
+              "write_kv_cache: float32 keys and values, float32 or bfloat16 caches of one dtype; got ",
+              k.scalar_type(), " / ", v.scalar_type(), " into ", k_cache.scalar_type(), " / ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   slots.scalar_type() == torch::kInt64, "write_kv_cache: contiguous caches, int64 slots");
   TORCH_CHECK(k.dim() == 3, "write_kv_cache: k must be [T, KV, D], got ", k.sizes());
@@ -152,22 +183,28 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
               "] (one per token of k), got ", slots.sizes());
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_cache: slot out of range: slots[", t, "] = ", sp[t],
                 ", expected 0 <= slot < ", S, " (the cache's slots)");
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = sp[t];
-      for (int64_t h = 0; h < KV; ++h) {
-        std::copy_n(kp + t * ks0 + h * ks1, D, kc + (h * S + slot) * D);
-        std::copy_n(vp + t * vs0 + h * vs1, D, vc + (h * S + slot) * D);
+  const auto write_rows = [&](auto* kc, auto* vc, auto store) {
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {  // no throwing inside the parallel region
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = sp[t];
+        for (int64_t h = 0; h < KV; ++h) {
+          store(kp + t * ks0 + h * ks1, kc + (h * S + slot) * D);
+          store(vp + t * vs0 + h * vs1, vc + (h * S + slot) * D);
+        }
       }
-    }
-  });
+    });
+  };
+  if (bf16)
+    write_rows(static_cast<c10::BFloat16*>(k_cache.data_ptr()), static_cast<c10::BFloat16*>(v_cache.data_ptr()),
+               [D](const float* x, c10::BFloat16* dst) { for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(x[d]); });
+  else
+    write_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+               [D](const float* x, float* dst) { std::copy_n(x, D, dst); });
 }
 
 // Rotary embedding in place, Hugging Face "rotate half" layout: for i < D/2,
@@ -273,9 +310,11 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, float32)");
-  m.def("write_kv_cache", &write_kv_cache, "write new keys/values into the paged cache (CPU, float32)");
+  m.def("write_kv_cache", &write_kv_cache,
+        "write new keys/values (float32) into the paged cache (float32, or bfloat16 rounded to nearest even; CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention (CPU, float32), optionally with a sink logit per head and a sliding window",
+        "paged decode attention (CPU; float32 q, float32 or bfloat16 cache), optionally with a sink logit per head "
+        "and a sliding window",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
         py::arg("sinks") = py::none(), py::arg("window") = 0);
   m.def("write_kv_cache_fp8", &write_kv_cache_fp8,
@@ -286,7 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention over an FP8 (E4M3) KV cache with per-kv-head scales (CPU)");
   m.def("prefill_attention_supports", &prefill_attention_supports, "whether prefill_attention takes this head_dim");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of prefill chunks from the paged cache (float32, or E4M3 codes with k_scale / v_scale), "
+        "causal attention of prefill chunks from the paged cache (float32, bfloat16, or E4M3 codes with k_scale / "
+        "v_scale), "
         "into out's rows (CPU)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seqs"),
         py::arg("slots"), py::arg("scale"), py::arg("out"), py::arg("sinks") = py::none(), py::arg("window") = 0,
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());

@@ -1,6 +1,7 @@
-// The vectorized paged decode attention shared by the float32 cache (cpu_kernels.cpp) and the FP8 (E4M3)
-// cache (fp8_attention.cpp): one kernel, templated on the cache's element type T (float, or uint8_t E4M3
-// codes decoded in registers as each row is loaded, so an FP8 cache is read at one byte a value).
+// The vectorized paged decode attention shared by the float32 and bfloat16 caches (cpu_kernels.cpp) and the
+// FP8 (E4M3) cache (fp8_attention.cpp): one kernel, templated on the cache's element type T (float; uint16_t
+// bfloat16 bits or uint8_t E4M3 codes, decoded in registers as each row is loaded, so a bfloat16 cache is
+// read at two bytes a value and an FP8 one at one).
 //
 // Shapes: as paged_decode_attention (cpu_kernels.cpp). An FP8 cache's value is code * scale, per kv head:
 // the key scale folds into the query's softmax scale, the value scale into the final normalization.
@@ -93,6 +94,12 @@ inline void prefetch_row(const T* row) {
 
 // 16 consecutive cache elements as float32 (unscaled).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// 16 bfloat16 values (their bits) as float32, exactly: bfloat16 is float32's upper half.
+inline __m512 load16(const uint16_t* p) {
+  const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
 
 // 16 E4M3 codes as float32, exactly: the 7 magnitude bits go to float32's exponent and mantissa (bits
 // 20..26), which reads as the value times 2^-120 for normals and subnormals alike; times 2^120 rebiases it,

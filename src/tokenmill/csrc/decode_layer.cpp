@@ -125,8 +125,9 @@ DecodeLayer::DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, doub
       v_scale_(v_scale) {
   const bool fp8 = k_cache_.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 == k_scale_.has_value() && fp8 == v_scale_.has_value() &&
-                  (fp8 || k_cache_.scalar_type() == torch::kFloat32),
-              "DecodeLayer: a float32 cache takes no scales, an FP8 (float8_e4m3fn) cache needs k and v scales");
+                  (fp8 || k_cache_.scalar_type() == torch::kFloat32 || k_cache_.scalar_type() == torch::kBFloat16),
+              "DecodeLayer: a float32 or bfloat16 cache takes no scales, an FP8 (float8_e4m3fn) cache needs k and v "
+              "scales");
 }
 
 int64_t DecodeLayer::max_rows() const {
@@ -154,7 +155,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c
     write_kv_cache_fp8(k, v, k_cache_, v_cache_, step.slot_mapping, *k_scale_, *v_scale_);
     attn = paged_decode_attention_fp8(q.contiguous(), k_cache_.view(torch::kUInt8), v_cache_.view(torch::kUInt8),
                                       step.decode_slots, step.decode_lens, scale_, *k_scale_, *v_scale_);
-  } else {
+  } else {                                                  // float32 or bfloat16 cache
     write_kv_cache(k, v, k_cache_, v_cache_, step.slot_mapping);
     attn = paged_decode_attention(q.contiguous(), k_cache_, v_cache_, step.decode_slots, step.decode_lens, scale_);
   }

@@ -12,7 +12,8 @@
 //   An FP8 cache: k_cache / v_cache uint8 E4M3 codes with k_scale, v_scale [KV] float32 (a cached value is
 //   code x scale). Keys are decoded as they are gathered (the key scale folds into the score scale), values
 //   into a per-item buffer (the value scale into the softmax's normalizer), so the cache is read at a byte
-//   a value and the arithmetic is float32's.
+//   a value and the arithmetic is float32's. A bfloat16 cache: k_cache / v_cache bfloat16, no scales, read
+//   the same way (each value widened to float32 exactly).
 //
 // Why not torch's scaled_dot_product_attention: for one 128-token prompt of the default model (9 heads of
 // 64) it takes 330 us (about 30 GFLOP/s), 7% of an offline prefill step. Here work items are (request, KV
@@ -38,6 +39,14 @@ namespace {
 constexpr int64_t kQueryBlock = 32, kKeyStep = 32, kRows = 8;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// row[0..D) = float32 of bfloat16 bits[0..D), exactly (bfloat16 is float32's upper half); D a multiple of 16.
+void widen_bf16_row(const uint16_t* bits, int64_t D, float* row) {
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + d)));
+    _mm512_storeu_ps(row + d, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+  }
+}
 
 // s[r, 0 .. nk) = scale * q_r . k_j for QR query rows, nk a multiple of kKeyStep; kt [keys / kKeyStep, D,
 // kKeyStep]: each step's keys transposed, side by side (one contiguous block per step).
@@ -115,8 +124,9 @@ struct Item {
 };
 
 struct Problem {
-  const float *q, *k, *v;          // k, v: a float32 cache (nullptr for an FP8 one)
-  const uint8_t *k8, *v8;          // an FP8 cache's codes (nullptr for a float32 one)
+  const float *q, *k, *v;          // k, v: a float32 cache (nullptr for an FP8 or bfloat16 one)
+  const uint8_t *k8, *v8;          // an FP8 cache's codes (else nullptr)
+  const uint16_t *k16, *v16;       // a bfloat16 cache's bits (else nullptr)
   const float *k_scale, *v_scale;  // [KV]: an FP8 cache's scales
   float* out;
   const int64_t *seqs, *slots;
@@ -146,27 +156,35 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t k0 = pb.window > 0 ? std::max<int64_t>(0, first + it.i0 - pb.window + 1) : 0;
   const int64_t keys = first + it.i1 - k0, ldk = round_up(keys, kKeyStep);
   const int64_t* slots = pb.slots + it.b * pb.L + k0;
-  const bool fp8 = pb.k8 != nullptr;
-  const float* v_head = fp8 ? nullptr : pb.v + it.h * pb.S * D;
+  const bool fp8 = pb.k8 != nullptr, decoded = fp8 || pb.k16 != nullptr;   // decoded: rows widened to float32
+  // row `slot` of kv head it.h of an FP8 / bfloat16 cache (`keys`: the key cache, else the value cache) -> dst [D]
+  const auto decode_row = [&](bool keys, int64_t slot, float* dst) {
+    const int64_t at = (it.h * pb.S + slot) * D;
+    if (fp8) decode_e4m3_row((keys ? pb.k8 : pb.v8) + at, D, dst);
+    else widen_bf16_row((keys ? pb.k16 : pb.v16) + at, D, dst);
+  };
+  const float* v_head = decoded ? nullptr : pb.v + it.h * pb.S * D;
   const int64_t* v_slots = slots;
   float score_scale = pb.scale, value_scale = 1.f;
   kt.assign(D * ldk, 0.f);                      // [ldk / kKeyStep, D, kKeyStep], keys past `keys` zero
-  if (fp8) sc.row.resize(D);
+  if (decoded) sc.row.resize(D);
   for (int64_t j = 0; j < keys; ++j) {
-    const float* kr = fp8 ? sc.row.data() : pb.k + (it.h * pb.S + slots[j]) * D;
-    if (fp8) decode_e4m3_row(pb.k8 + (it.h * pb.S + slots[j]) * D, D, sc.row.data());
+    const float* kr = decoded ? sc.row.data() : pb.k + (it.h * pb.S + slots[j]) * D;
+    if (decoded) decode_row(true, slots[j], sc.row.data());
     float* col = kt.data() + (j / kKeyStep) * D * kKeyStep + j % kKeyStep;
     for (int64_t d = 0; d < D; ++d) col[d * kKeyStep] = kr[d];
   }
-  if (fp8) {                                    // values decoded once for the G heads; row j = key k0 + j
+  if (decoded) {                                // values decoded once for the G heads; row j = key k0 + j
     sc.v.resize(keys * D);
     sc.v_rows.resize(keys);
     for (int64_t j = 0; j < keys; ++j) {
-      decode_e4m3_row(pb.v8 + (it.h * pb.S + slots[j]) * D, D, sc.v.data() + j * D);
+      decode_row(false, slots[j], sc.v.data() + j * D);
       sc.v_rows[j] = j;
     }
     v_head = sc.v.data();
     v_slots = sc.v_rows.data();
+  }
+  if (fp8) {
     score_scale *= pb.k_scale[it.h];
     value_scale = pb.v_scale[it.h];
   }
@@ -211,13 +229,13 @@ bool prefill_attention_supports(int64_t head_dim) { return head_dim == 64 || hea
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor seqs,
                        torch::Tensor slots, double scale, torch::Tensor out, c10::optional<torch::Tensor> sinks,
                        int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  const bool fp8 = k_cache.scalar_type() == torch::kUInt8;
+  const bool fp8 = k_cache.scalar_type() == torch::kUInt8, bf16 = k_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 &&
                   k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == torch::kFloat32 || fp8),
-              "prefill_attention: float32 q and out, caches float32 or uint8 (E4M3 codes)");
-  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
-              "prefill_attention: an FP8 (uint8) cache needs k_scale and v_scale, a float32 one none");
+                  (k_cache.scalar_type() == torch::kFloat32 || fp8 || bf16),
+              "prefill_attention: float32 q and out, caches float32, bfloat16 or uint8 (E4M3 codes)");
+  TORCH_CHECK(fp8 == k_scale.has_value() && fp8 == v_scale.has_value(),
+              "prefill_attention: an FP8 (uint8) cache needs k_scale and v_scale, a float32 or bfloat16 one none");
   if (fp8)
     TORCH_CHECK(k_scale->scalar_type() == torch::kFloat32 && v_scale->scalar_type() == torch::kFloat32 &&
                     k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == k_cache.size(0) &&
@@ -235,9 +253,13 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
                                      sinks->numel() == H),
               "prefill_attention: sinks must be float32 [", H, "] (one per query head)");
-  const Problem pb{q.data_ptr<float>(), fp8 ? nullptr : k_cache.data_ptr<float>(),
-                   fp8 ? nullptr : v_cache.data_ptr<float>(), fp8 ? k_cache.data_ptr<uint8_t>() : nullptr,
-                   fp8 ? v_cache.data_ptr<uint8_t>() : nullptr, fp8 ? k_scale->data_ptr<float>() : nullptr,
+  const bool f32 = !fp8 && !bf16;
+  const Problem pb{q.data_ptr<float>(), f32 ? k_cache.data_ptr<float>() : nullptr,
+                   f32 ? v_cache.data_ptr<float>() : nullptr, fp8 ? k_cache.data_ptr<uint8_t>() : nullptr,
+                   fp8 ? v_cache.data_ptr<uint8_t>() : nullptr,
+                   bf16 ? static_cast<const uint16_t*>(k_cache.data_ptr()) : nullptr,
+                   bf16 ? static_cast<const uint16_t*>(v_cache.data_ptr()) : nullptr,
+                   fp8 ? k_scale->data_ptr<float>() : nullptr,
                    fp8 ? v_scale->data_ptr<float>() : nullptr, out.data_ptr<float>(), seqs.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), H, KV, S, slots.size(1), H / KV,
                    static_cast<float>(scale), sinks.has_value() ? sinks->data_ptr<float>() : nullptr, window};
   std::vector<Item> items;

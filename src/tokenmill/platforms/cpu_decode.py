@@ -40,8 +40,8 @@ class NativeDecodeProgram:
         for layer in decoder.layers:
             attn = layer.attention
             scales = getattr(attn, "kv_scales", None)          # an FP8 cache's (fp8_kv.KVScales), else None
-            cache_ok = attn.k_cache is not None and (attn.k_cache.dtype == torch.float32 if scales is None
-                                                     else attn.k_cache.dtype == torch.float8_e4m3fn)
+            cache_ok = attn.k_cache is not None and (attn.k_cache.dtype in (torch.float32, torch.bfloat16)
+                                                     if scales is None else attn.k_cache.dtype == torch.float8_e4m3fn)
             if not cache_ok or attn.backend is None or attn.backend.name != "cpu":
                 return None
             linears = [m.native_decode_linear(native) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,

@@ -107,7 +107,7 @@ class ModelRunner:
                 for name, shape in spec.shapes(slots):
                     setattr(layer, name, self.platform.allocate(shape, dtype))
                 layer.backend = self._backend(spec.kind)
-                if self.config.model.kv_cache_dtype is not None:
+                if self.config.model.kv_cache_dtype == torch.float8_e4m3fn:
                     layer.kv_scales = self._kv_scales(layer, spec)
         except torch.OutOfMemoryError:
             need = self.kv_bytes_per_token() * slots

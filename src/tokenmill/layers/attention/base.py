@@ -93,6 +93,7 @@ class AttentionBackend:
 
     @staticmethod
     def write_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-        """k, v [T, num_kv_heads, head_dim] -> their slots of the [num_kv_heads, num_slots, head_dim] caches."""
-        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+        """k, v [T, num_kv_heads, head_dim] -> their slots of the [num_kv_heads, num_slots, head_dim] caches, in
+        the caches' dtype (a bfloat16 cache: rounded to nearest even)."""
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))

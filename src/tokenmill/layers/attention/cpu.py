@@ -3,6 +3,8 @@ place from the paged cache (csrc/cpu_kernels.cpp), or, without a compiler, one b
 gather of their context. Prefill chunks: a native causal kernel over the paged cache, every chunk of the
 step in one call (csrc/prefill_attention.cpp, float32, head dim 64 or 128), else torch's
 scaled_dot_product_attention per chunk (causal, reading no cache at all when the chunk starts at 0).
+A bfloat16 cache (kv_cache_dtype="bfloat16") is written rounded to nearest even and read in place by the same
+kernels, each value widened to float32 exactly (the torch fallback: read, then widened).
 An FP8 cache (kv_cache_dtype="fp8") is written quantized (natively: write_kv_cache_fp8); the native kernels
 read its codes in place (the decode kernel is the float32 one with codes decoded as rows load), every
 key and value of a prefill chunk's context its own new ones included (paged_decode_attention_fp8,
@@ -51,7 +53,7 @@ class CPUAttention(AttentionBackend):
                            kv_scales=None) -> torch.Tensor:
         """gpt-oss's attention (sinks None: a sliding window alone, Mistral's) in the native kernels, which take
         the sinks and the window (a decode reads only its window's keys; a prefill block gathers only the keys
-        its queries' windows reach): float32 cache, head dim 64 or 128, the step's prefill tables listing its
+        its queries' windows reach): float32 or bfloat16 cache, head dim 64 or 128, the step's prefill tables listing its
         chunks. Else the torch ops (sinks.py)."""
         prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
         if self.native is None or q.dtype != torch.float32 or kv_scales is not None \
@@ -72,8 +74,9 @@ class CPUAttention(AttentionBackend):
         return out.view(num_tokens, num_heads * head_dim)
 
     def _store(self, k, v, k_cache, v_cache, slot_mapping, kv_scales) -> None:
-        """The new keys and values into the cache: natively for float32 ones (an FP8 cache's codes bitwise as
-        fp8_kv.quantize rounds them, after the layer's scales are calibrated), else AttentionBackend.store."""
+        """The new keys and values into the cache: natively for float32 ones (into a float32 or bfloat16 cache; an
+        FP8 cache's codes bitwise as fp8_kv.quantize rounds them, after the layer's scales are calibrated), else
+        AttentionBackend.store."""
         if self.native is None or k.dtype != torch.float32:
             self.store(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         elif kv_scales is None:
@@ -108,8 +111,8 @@ class CPUAttention(AttentionBackend):
         max_len = meta.decode_slots.shape[1]
         flat = meta.decode_slots.view(-1)
         k_scale, v_scale = scale_pair(kv_scales)
-        keys = read_slots(k_cache, flat, k_scale).view(num_kv_heads, num_reqs, max_len, head_dim)  # [KV, R, L, D]
-        values = read_slots(v_cache, flat, v_scale).view(num_kv_heads, num_reqs, max_len, head_dim)
+        keys = read_slots(k_cache, flat, k_scale).to(q.dtype).view(num_kv_heads, num_reqs, max_len, head_dim)
+        values = read_slots(v_cache, flat, v_scale).to(q.dtype).view(num_kv_heads, num_reqs, max_len, head_dim)
         qg = q.view(num_reqs, num_kv_heads, group, head_dim).transpose(0, 1)                  # [KV, R, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)                         # [KV, R, G, L]
         scores.add_(meta.decode_mask)                                                          # mask [R, 1, L]
@@ -127,8 +130,8 @@ class CPUAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:  # earlier positions come from the cache (chunked prefill, prefix hit, recompute)
             k_scale, v_scale = scale_pair(kv_scales)
-            kh = read_slots(k_cache, s.context_slots, k_scale).unsqueeze(0)                    # [1, KV, L, D]
-            vh = read_slots(v_cache, s.context_slots, v_scale).unsqueeze(0)
+            kh = read_slots(k_cache, s.context_slots, k_scale).to(q.dtype).unsqueeze(0)        # [1, KV, L, D]
+            vh = read_slots(v_cache, s.context_slots, v_scale).to(q.dtype).unsqueeze(0)
             q_pos = torch.arange(start, s.context_len).unsqueeze(1)
             mask = torch.arange(s.context_len).unsqueeze(0) <= q_pos                           # [n, L] True = attend
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -77,6 +77,7 @@ def scale_pair(kv_scales: KVScales | None) -> tuple[torch.Tensor | None, torch.T
 
 
 def read_slots(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """cache[:, slots] as float32 [KV, len(slots), D]: dequantized when scale is given (an FP8 cache)."""
+    """cache[:, slots] [KV, len(slots), D]: dequantized to float32 when scale is given (an FP8 cache), else in
+    the cache's own dtype (callers widen a bfloat16 cache's rows to their compute dtype)."""
     rows = cache.index_select(1, slots)
     return rows if scale is None else dequantize(rows, scale)

@@ -47,8 +47,8 @@ def read_latents(cache: torch.Tensor, slots: torch.Tensor, rank: int, kv_scales:
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(latents [len(slots), rank], rope keys [len(slots), rope]) of those slots, in `dtype`."""
     rows = cache[0].index_select(0, slots)
-    if kv_scales is None:
-        return rows[:, :rank], rows[:, rank:]
+    if kv_scales is None:                                      # a bfloat16 cache under float32 compute: widened
+        return rows[:, :rank].to(dtype), rows[:, rank:].to(dtype)
     return ((rows[:, :rank].float() * kv_scales.k).to(dtype), (rows[:, rank:].float() * kv_scales.v).to(dtype))
 
 
