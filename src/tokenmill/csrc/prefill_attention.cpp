@@ -157,11 +157,11 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t keys = first + it.i1 - k0, ldk = round_up(keys, kKeyStep);
   const int64_t* slots = pb.slots + it.b * pb.L + k0;
   const bool fp8 = pb.k8 != nullptr, decoded = fp8 || pb.k16 != nullptr;   // decoded: rows widened to float32
-  // row `slot` of kv head it.h of an FP8 / bfloat16 cache (`keys`: the key cache, else the value cache) -> dst [D]
-  const auto decode_row = [&](bool keys, int64_t slot, float* dst) {
+  // row `slot` of kv head it.h of an FP8 / bfloat16 cache (the key cache, else the value cache) -> dst [D]
+  const auto decode_row = [&](bool key_cache, int64_t slot, float* dst) {
     const int64_t at = (it.h * pb.S + slot) * D;
-    if (fp8) decode_e4m3_row((keys ? pb.k8 : pb.v8) + at, D, dst);
-    else widen_bf16_row((keys ? pb.k16 : pb.v16) + at, D, dst);
+    if (fp8) decode_e4m3_row((key_cache ? pb.k8 : pb.v8) + at, D, dst);
+    else widen_bf16_row((key_cache ? pb.k16 : pb.v16) + at, D, dst);
   };
   const float* v_head = decoded ? nullptr : pb.v + it.h * pb.S * D;
   const int64_t* v_slots = slots;
