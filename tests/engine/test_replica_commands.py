@@ -16,7 +16,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
-from tokenmill.core.request import FinishReason, Request
+from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.distributed.dp_router import ReplicaLoad
 from tokenmill.engine import replicas as replicas_module
 from tokenmill.engine.llm_engine import LLMEngine
@@ -213,3 +213,16 @@ def test_a_dropped_data_parallel_llm_stops_its_replica_processes(tiny_model_fact
     del llm
     gc.collect()
     assert all(process_ended_within(pid, 15) for pid in pids), "a replica process outlived its LLM"
+
+
+def test_an_update_of_a_request_the_front_aborted_is_dropped_not_fatal():
+    """compact_updates: a request with no serial (its abort popped it) gives no update and no KeyError; the
+    others keep their serials, a finished one's is forgotten."""
+    from tokenmill.engine.engine_core import CoreUpdate
+    from tokenmill.engine.replica_links import compact_updates
+    running, finished, aborted = Request("a", [5, 6], GREEDY), Request("b", [5, 7], GREEDY), Request("c", [5], GREEDY)
+    finished.status = aborted.status = RequestStatus.FINISHED
+    serials = {"a": 3, "b": 4}
+    out = compact_updates([CoreUpdate(r, [9], []) for r in (running, aborted, finished)], serials)
+    assert [(u.request_id, u.serial) for u in out] == [("a", 3), ("b", 4)]
+    assert serials == {"a": 3}
