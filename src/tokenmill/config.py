@@ -319,8 +319,8 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8
 def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {sorted(KV_CACHE_DTYPES)} "
-                         "('auto': the model's dtype; 'bfloat16': two bytes a value; 'fp8' = 'fp8_e4m3': one byte a value with "
-                         "per-head scales)")
+                         "('auto': the model's dtype; 'bfloat16': two bytes a value; 'fp8' = 'fp8_e4m3': one byte "
+                         "a value with per-head scales)")
     return KV_CACHE_DTYPES[name]
 
 

@@ -53,8 +53,8 @@ class CPUAttention(AttentionBackend):
                            kv_scales=None) -> torch.Tensor:
         """gpt-oss's attention (sinks None: a sliding window alone, Mistral's) in the native kernels, which take
         the sinks and the window (a decode reads only its window's keys; a prefill block gathers only the keys
-        its queries' windows reach): float32 or bfloat16 cache, head dim 64 or 128, the step's prefill tables listing its
-        chunks. Else the torch ops (sinks.py)."""
+        its queries' windows reach): float32 or bfloat16 cache, head dim 64 or 128, the step's prefill tables
+        listing its chunks. Else the torch ops (sinks.py)."""
         prefills = [s for s in meta.seqs if s.query_len > 1 or meta.decode_rows is None]
         if self.native is None or q.dtype != torch.float32 or kv_scales is not None \
                 or not self.native.prefill_attention_supports(q.shape[-1]) \
