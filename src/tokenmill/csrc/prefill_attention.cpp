@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_attention.h"
 #include "fp8_attention.h"
 #include "simd_math.h"
 
@@ -40,12 +41,9 @@ constexpr int64_t kQueryBlock = 32, kKeyStep = 32, kRows = 8;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// row[0..D) = float32 of bfloat16 bits[0..D), exactly (bfloat16 is float32's upper half); D a multiple of 16.
+// row[0..D) = float32 of bfloat16 bits[0..D), exactly (the decode kernel's load16); D a multiple of 16.
 void widen_bf16_row(const uint16_t* bits, int64_t D, float* row) {
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + d)));
-    _mm512_storeu_ps(row + d, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-  }
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(row + d, decode_attention::load16(bits + d));
 }
 
 // s[r, 0 .. nk) = scale * q_r . k_j for QR query rows, nk a multiple of kKeyStep; kt [keys / kKeyStep, D,
