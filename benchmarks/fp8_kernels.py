@@ -44,11 +44,12 @@ def main() -> None:
     if native is None or not hasattr(native, "gemv_q8"):
         raise SystemExit("needs the native tile kernels (an AVX-512 VNNI CPU and a compiler)")
     fast = getattr(native, "fp8_linear_bf16", None)
+    gemv = getattr(native, "fp8_gemv_bf16", None)
     torch.manual_seed(0)
-    print(f"{'rows':>5} {'grouped':>8} {'f32-gemm':>9} {'bf16-gemm':>10} {'int8':>7}   int8 time / fp8 kernel's "
-          "(grouped, f32, bf16)   [ms per step, summed over the 4 shapes]")
+    print(f"{'rows':>5} {'grouped':>8} {'f32-gemm':>9} {'bf16-gemm':>10} {'bf16-gemv':>10} {'int8':>7}   int8 time / "
+          "fp8 kernel's (grouped, f32, bf16-gemm, bf16-gemv)   [ms per step, summed over the 4 shapes]")
     for rows in [int(r) for r in args.rows.split(",")]:
-        total = {"grouped": 0.0, "f32": 0.0, "bf16": 0.0, "int8": 0.0}
+        total = {"grouped": 0.0, "f32": 0.0, "bf16": 0.0, "gemv": 0.0, "int8": 0.0}
         for n, k in SHAPES:
             w = torch.randn(n, k) * 0.05
             scale = (w.abs().amax(1, keepdim=True) / 448).contiguous()
@@ -62,11 +63,15 @@ def main() -> None:
                                       args.repeats)
             if fast is not None:
                 total["bf16"] += median_ms(lambda: fast(x, codes, scale, k), args.repeats)
+            if gemv is not None:
+                total["gemv"] += median_ms(lambda: gemv(x, codes, scale, k), args.repeats)
             total["int8"] += median_ms(lambda: native.gemv_q8(x, tiles, q8_scales, n), args.repeats)
         bf16 = f"{total['bf16']:10.3f}" if fast is not None else f"{'n/a':>10}"
+        bf16_gemv = f"{total['gemv']:10.3f}" if gemv is not None else f"{'n/a':>10}"
         ratios = ", ".join(f"{total['int8'] / total[key]:.2f}" if total[key] else "n/a"
-                           for key in ("grouped", "f32", "bf16"))
-        print(f"{rows:5d} {total['grouped']:8.3f} {total['f32']:9.3f} {bf16} {total['int8']:7.3f}   {ratios}")
+                           for key in ("grouped", "f32", "bf16", "gemv"))
+        print(f"{rows:5d} {total['grouped']:8.3f} {total['f32']:9.3f} {bf16} {bf16_gemv} {total['int8']:7.3f}   "
+              f"{ratios}")
 
 
 if __name__ == "__main__":

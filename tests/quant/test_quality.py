@@ -23,7 +23,7 @@ def load_quality_module():
 @pytest.mark.slow
 def test_quantized_modes_keep_quality():
     # perplexity over the text's first 256 tokens (the benchmark reads all ~700): w8a8's AVX2 kernels are slow
-    # fp8: its fast mode (bfloat16 GEMMs) on the prefill path, float32 activations on 16-row decode chunks
+    # fp8: its fast mode (bfloat16 activations, float32 sums) on the prefill and decode paths
     modes = ["int8", "int4", "w8a8", "fp8"]
     results = load_quality_module().evaluate(modes, full=False, text_tokens=256)
     for mode in modes:

@@ -23,6 +23,7 @@
 #include "prefill_attention.h"
 #include "moe_kernels.h"
 #include "fp8_attention.h"
+#include "fp8_gemv.h"
 #include "decode_attention.h"
 
 #include <c10/util/BFloat16.h>
@@ -368,6 +369,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_linear_bf16", &fp8_linear_bf16, "x @ (FP8 codes x scales)^T through a bfloat16 GEMM -> float32 (CPU)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("kblock"));
 #endif
+#endif
+#ifdef TOKENMILL_FP8_GEMV_BF16   // AVX-512 BF16 builds; Python checks hasattr(module, "fp8_gemv_bf16")
+  m.def("fp8_gemv_bf16", &fp8_gemv_bf16, "x @ (FP8 codes x scales)^T for a few rows: bfloat16 products, "
+        "float32 sums (CPU)", py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("kblock"));
 #endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));

@@ -6,7 +6,8 @@
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
 // (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), "fp8" codes [1, N, K] + scales [1, N, KB] (the grouped
-// GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it), plus an optional bias [N]; above, the
+// GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it; "fp8_bf16", FP8's fast mode: the same
+// codes through fp8_gemv.cpp's bfloat16 kernel), plus an optional bias [N]; above, the
 // layer's LargeLinear (oneDNN; fp8: the weight dequantized, then at::linear), when it has one. Needs the tile
 // kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
@@ -17,6 +18,7 @@
 
 #include "cpu_kernels.h"
 #include "fp8_attention.h"
+#include "fp8_gemv.h"
 #include "gemv_kernels.h"
 #include "moe_kernels.h"
 
@@ -43,20 +45,24 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
                            LargeLinear large)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
       small_rows_(small_rows), large_(std::move(large)) {
-  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4" || kind_ == "fp8",
+  const bool fp8 = kind_ == "fp8" || kind_ == "fp8_bf16";
+  TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4" || fp8,
               "DecodeLinear: unknown kind ", kind_);
-  TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4" && kind_ != "fp8") || scales_.has_value(), "DecodeLinear: ", kind_,
+  TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4" && !fp8) || scales_.has_value(), "DecodeLinear: ", kind_,
               " needs its scales");
-  if (kind_ == "fp8") {
+#ifndef TOKENMILL_FP8_GEMV_BF16
+  TORCH_CHECK(kind_ != "fp8_bf16", "DecodeLinear: fp8_bf16 tiles need an AVX-512 BF16 + VBMI build");
+#endif
+  if (fp8) {
     TORCH_CHECK(weight_.dim() == 3 && weight_.size(0) == 1 && scales_->dim() == 3 &&
                     scales_->size(2) == (weight_.size(2) + fp8_kblock() - 1) / fp8_kblock(),
-                "DecodeLinear: fp8 needs codes [1, N, K] and scales [1, N, K / kblock] (kblock K or 128)");
+                "DecodeLinear: ", kind_, " needs codes [1, N, K] and scales [1, N, K / kblock] (kblock K or 128)");
 #ifndef TOKENMILL_MOE_KERNELS
     TORCH_CHECK(false, "DecodeLinear: fp8 needs the grouped GEMM (AVX2 and FMA)");
 #endif
   }
   TORCH_CHECK(large_.kind.empty() || large_.kind == "onednn" ||
-                  ((large_.kind == "fp8" || large_.kind == "fp8_bf16") && kind_ == "fp8"),
+                  ((large_.kind == "fp8" || large_.kind == "fp8_bf16") && fp8),
               "DecodeLinear: unknown large kind ", large_.kind);
 #ifndef TOKENMILL_FP8_BF16
   TORCH_CHECK(large_.kind != "fp8_bf16", "DecodeLinear: fp8_bf16 needs an AVX-512 BF16 build");
@@ -105,6 +111,10 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
 #ifdef TOKENMILL_MOE_KERNELS
     const torch::Tensor one_run = torch::tensor({int64_t(0), x.size(0)}, torch::kInt64);
     y = moe_grouped_gemm(x.contiguous(), one_run, weight_, scales_, fp8_kblock(), c10::nullopt);
+#endif
+  } else if (kind_ == "fp8_bf16") {
+#ifdef TOKENMILL_FP8_GEMV_BF16
+    y = fp8_gemv_bf16(x, weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
 #endif
   } else {
     y = gemv_q8(x, weight_, *scales_, n_);

@@ -33,7 +33,8 @@ class DecodeLinear {
  private:
   torch::Tensor large(const torch::Tensor& x) const;
   int64_t fp8_kblock() const;      // inputs per FP8 scale (kind "fp8")
-  std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds; "fp8": codes
+  std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds;
+                                   // "fp8" / "fp8_bf16": codes
   torch::Tensor weight_;
   c10::optional<torch::Tensor> scales_, bias_;
   int64_t n_, small_rows_;

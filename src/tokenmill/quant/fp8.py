@@ -1,11 +1,15 @@
-"""FP8 E4M3 weights on the CPU: one byte a weight, decoded to float32 in the kernel (csrc/moe_kernels.cpp's
-grouped GEMM with one group: the 7 magnitude bits moved into float32's exponent and mantissa), times a
-float32 scale per output row and block of inputs:
+"""FP8 E4M3 weights on the CPU: one byte a weight, decoded in the kernel (to float32 in csrc/moe_kernels.cpp's
+grouped GEMM with one group: the 7 magnitude bits moved into float32's exponent and mantissa; to bfloat16 in
+the fast mode's kernels), times a float32 scale per output row and block of inputs:
 
     w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel) or 128 (blocks)
 
-Activations stay float32 in steps of up to `tile_max_rows` rows (decode): the exact reference of the
-format (this CPU has no FP8 arithmetic).
+Steps of up to `tile_max_rows` rows (decode):
+- the fast mode (`bf16_activations`, where the build has AVX-512 BF16 and VBMI; the default): fp8_gemv_bf16,
+  the codes widened to bfloat16 in registers by table lookups (exact), the activations rounded to bfloat16,
+  the products summed in float32 (vdpbf16ps), a block's sum times its scale in float32;
+- otherwise float32 activations (the grouped GEMM: each code decoded to float32 in registers), the exact
+  reference of the format (this CPU has no FP8 arithmetic).
 
 Scales come from the checkpoint where it is pre-quantized (quant/prequantized.py attaches them to the layer
 as `checkpoint_fp8`: per shard of a fused layer, the strategy and the scale), so the codes are the
@@ -14,7 +18,8 @@ Steps of more than `tile_max_rows` rows (prefill chunks, large decode batches):
 - the fast mode (`bf16_activations`, where the build has AVX-512 BF16; the default): one bfloat16 GEMM with
   float32 sums (fp8_linear_bf16: the codes widened to bfloat16 natively, exact; with 128 x 128 block scales
   each code x scale rounded to bfloat16), the activations and the output rounded to bfloat16 (relative
-  error about 2^-9 each; measured 2-3e-3 of the output's norm), twice the float32 GEMM's rate. This CPU has
+  error about 2^-9 each; measured 2-3e-3 of the output's norm), twice the float32 GEMM's rate with AVX-512
+  BF16, about seven times with AMX (oneDNN uses its tiles where the CPU has them). This CPU has
   no integer form of E4M3 (its values span 16 binades), so int4's int8-activation route is closed.
 - the exact mode (`FP8Method(bf16_activations=False)`, or the class attribute for every engine built after):
   the layer's weight dequantized natively into a temporary float32 [N, K] (fp8_dequantize: bitwise
@@ -38,13 +43,13 @@ class FP8Method(QuantMethod):
     # Pre-quantized checkpoints keep whatever they keep float.
     quantize_tied_lm_head = True
     lm_head_method = "int8"
-    # Steps of up to tile_max_rows rows run the grouped GEMM's dot products (each weight decoded in
-    # registers, a pass per 8 rows: memory-bound decode steps) in float32; larger ones the fast mode's
+    # Steps of up to tile_max_rows rows run dot products with each weight decoded in registers (the fast
+    # mode's bfloat16 kernel, or the exact mode's float32 grouped GEMM); larger ones the fast mode's oneDNN
     # bfloat16 GEMM, or in the exact mode the weight dequantized to float32 (a temporary [N, K]) and one
     # float32 GEMM. The limits are where the larger kernel gets faster per step (default model's shapes,
     # benchmarks/fp8_kernels.py); the native decoder layer runs the same kernels.
     EXACT_MAX_ROWS = 40
-    FAST_MAX_ROWS = 16
+    FAST_MAX_ROWS = 10
     bf16_activations = True          # the fast mode above tile_max_rows, where the build has AVX-512 BF16
 
     def __init__(self, bf16_activations: bool | None = None) -> None:
@@ -52,9 +57,16 @@ class FP8Method(QuantMethod):
         self.bf16_activations = type(self).bf16_activations if bf16_activations is None else bf16_activations
 
     def bf16_kernel(self):
-        """csrc's fp8_linear_bf16 in the fast mode where the build has it, else None."""
+        """csrc's fp8_linear_bf16 (steps above tile_max_rows) in the fast mode where the build has it, else
+        None."""
         native = tile_kernels.kernels() if self.bf16_activations else None
         return getattr(native, "fp8_linear_bf16", None)
+
+    def bf16_gemv(self):
+        """csrc's fp8_gemv_bf16 (steps of up to tile_max_rows) in the fast mode where the build has it (AVX-512
+        BF16 and VBMI), else None."""
+        native = tile_kernels.kernels() if self.bf16_activations else None
+        return getattr(native, "fp8_gemv_bf16", None)
 
     @property
     def tile_max_rows(self) -> int:
@@ -107,11 +119,12 @@ class FP8Method(QuantMethod):
         layer.fp8_kblock = kblock
 
     def tile_weights(self, layer):
-        """("fp8", codes [1, N, K], scales [1, N, KB]) for csrc/decode_layer.cpp's DecodeLinear, which runs
-        the same grouped GEMM as `apply`; None without the native tile kernels (no native decoder layer)."""
+        """("fp8" or, in the fast mode, "fp8_bf16", codes [1, N, K], scales [1, N, KB]) for
+        csrc/decode_layer.cpp's DecodeLinear, which runs the same kernel as `apply` (the grouped GEMM, or
+        fp8_gemv_bf16); None without the native tile kernels (no native decoder layer)."""
         if tile_kernels.kernels() is None or not hasattr(tile_kernels.kernels(), "moe_grouped_gemm"):
             return None
-        return "fp8", layer.fp8_weight, layer.fp8_scale
+        return ("fp8_bf16" if self.bf16_gemv() is not None else "fp8"), layer.fp8_weight, layer.fp8_scale
 
     def tile_kernel(self, layer):
         """`apply` itself (tile_weights only names its kernels for the decoder layer)."""
@@ -132,6 +145,9 @@ class FP8Method(QuantMethod):
                 return self.add_bias(layer, y)
             w = tile_kernels.kernels().fp8_dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
             return torch.nn.functional.linear(x.float(), w, layer.bias)
+        gemv = self.bf16_gemv()
+        if gemv is not None:
+            return self.add_bias(layer, gemv(x.float(), layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
                            lambda: dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
         return self.add_bias(layer, y)
