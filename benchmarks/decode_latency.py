@@ -14,12 +14,14 @@ the same prompt from the same GGUF file in the same run (benchmarks/peers/llama_
 mode's speed is also given as a ratio to it.
 
     .venv/bin/python benchmarks/decode_latency.py [--runs 3] [--modes fp32,int8,int4,w8a8] [--profile int4]
-        (a mode's suffix `+kvfp8`, e.g. `int4+kvfp8`, gives it an FP8 KV cache)
+        (a mode's suffix `+kvfp8`, e.g. `int4+kvfp8`, gives it an FP8 KV cache; `-exact`, e.g. `fp8-exact`,
+        runs a format with a fast mode in its exact float32-activation mode)
         [--llama-cpp "$(benchmarks/peers/llama_cpp_setup.sh)"]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -134,6 +136,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from tokenmill import LLM
     from tokenmill.quant import base as quant_base
+    from tokenmill.quant import exact_mode
 
     if args.tied_head == "fp32":
         quant_base.QuantMethod.quantize_tied_lm_head = False
@@ -152,8 +155,10 @@ def main() -> None:
           f"{'of bound':>8s}" + (f" {'/llama.cpp':>10s}" if peer else ""))
     for mode in args.modes.split(","):
         weights, _, kv = mode.partition("+kv")                            # e.g. int4+kvfp8: an FP8 KV cache
-        llm = LLM(quantization=None if weights == "fp32" else weights, kv_cache_dtype=kv or "auto",
-                  kv_cache_memory_bytes=1 << 27)
+        fmt = weights.removesuffix("-exact")                              # e.g. fp8-exact: its exact mode
+        with exact_mode(fmt) if weights.endswith("-exact") else contextlib.nullcontext():
+            llm = LLM(quantization=None if fmt == "fp32" else fmt, kv_cache_dtype=kv or "auto",
+                      kv_cache_memory_bytes=1 << 27)
         cfg = llm.engine.config.model
         kv_mean = cfg.kv_bytes_per_token * (args.prompt_len + args.output_len / 2)
         runner = llm.engine.core.runner

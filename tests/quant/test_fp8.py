@@ -414,6 +414,19 @@ def _check_small_rows_fast_mode(layer, x, exact_w, codes, scales, kblock):
         assert ((y - exact).norm() / exact.norm()).item() < 1e-6
 
 
+def test_the_fast_mode_without_the_gemv_kernel_runs_float32_up_to_16_rows(monkeypatch):
+    """A build with AVX-512 BF16 but not VBMI has fp8_linear_bf16 and no fp8_gemv_bf16: steps of up to 16 rows
+    run the exact grouped kernel (its measured limit), and the native decoder layer gets kind "fp8"."""
+    monkeypatch.setattr(fp8.FP8Method, "bf16_gemv", lambda self: None)
+    layer = _fast_layer(136, "channel")
+    assert layer.tile_max_rows == fp8.FP8Method.FAST_GROUPED_MAX_ROWS == 16
+    assert layer.quant_method.tile_weights(layer)[0] == "fp8"
+    exact_w = fp8.dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock).double()
+    x = torch.randn(16, 136, generator=torch.Generator().manual_seed(8))
+    exact = x.double() @ exact_w.t() + layer.bias.double()
+    assert ((layer(x).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
 def test_the_fast_mode_is_off_with_bf16_activations_false():
     layer = _fast_layer(136, "channel", bias=False)
     exact_method = fp8.FP8Method(bf16_activations=False)

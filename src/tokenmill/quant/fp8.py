@@ -49,8 +49,9 @@ class FP8Method(QuantMethod):
     # float32 GEMM. The limits are where the larger kernel gets faster per step (default model's shapes,
     # benchmarks/fp8_kernels.py); the native decoder layer runs the same kernels.
     EXACT_MAX_ROWS = 40
-    FAST_MAX_ROWS = 10
-    bf16_activations = True          # the fast mode above tile_max_rows, where the build has AVX-512 BF16
+    FAST_MAX_ROWS = 10               # fp8_gemv_bf16 below, oneDNN's bfloat16 GEMM above
+    FAST_GROUPED_MAX_ROWS = 16       # builds with AVX-512 BF16 but not VBMI (no fp8_gemv_bf16): float32 below
+    bf16_activations = True          # the fast mode, where the build has AVX-512 BF16
 
     def __init__(self, bf16_activations: bool | None = None) -> None:
         # pinned per instance: the class attribute read when the engine is built sets the mode it keeps
@@ -70,7 +71,9 @@ class FP8Method(QuantMethod):
 
     @property
     def tile_max_rows(self) -> int:
-        return self.FAST_MAX_ROWS if self.bf16_kernel() is not None else self.EXACT_MAX_ROWS
+        if self.bf16_kernel() is None:
+            return self.EXACT_MAX_ROWS
+        return self.FAST_MAX_ROWS if self.bf16_gemv() is not None else self.FAST_GROUPED_MAX_ROWS
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
