@@ -3,7 +3,10 @@
 
     grouped   moe_grouped_gemm with one group: float32 activations, codes decoded in registers (exact)
     f32-gemm  fp8_dequantize to a temporary float32 [N, K] + one float32 GEMM (exact mode, large steps)
-    bf16-gemm fp8_linear_bf16: codes widened to bfloat16 + one oneDNN bfloat16 GEMM (fast mode, large steps)
+    bf16-gemm fp8_linear_bf16: codes widened to bfloat16 + one oneDNN bfloat16 GEMM (fast mode, large steps;
+              AMX tiles where the CPU has them)
+    bf16-gemv fp8_gemv_bf16: codes widened to bfloat16 in registers, x rounded to bfloat16, float32 sums
+              (fast mode, steps of up to FAST_MAX_ROWS; AVX-512 BF16 + VBMI builds)
     int8      gemv_q8 on int8 tiles of the same weight (int8 activations per 32): the reference speed
 
 Times are medians of --repeats calls (after one warm-up), in ms per call; the ratio columns are int8's time
