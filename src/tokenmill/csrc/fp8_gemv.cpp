@@ -1,9 +1,10 @@
 // See fp8_gemv.h. Work items are blocks of 16 output rows spread over the threads; each weight row is read
 // once, 64 codes at a time, widened to 64 bfloat16 in registers by table lookups (5 vector ops), and fed
-// to two vdpbf16ps per row of x (32 multiply-adds each). The two vpermi2b are the bound at one row of x
-// (3 uops each, two on the shuffle port): 0.094 ms for the default model's four layer shapes against the
-// float32 grouped kernel's 0.151 (benchmarks/fp8_kernels.py, Sapphire Rapids, 2 threads); from about 8
-// rows on, vdpbf16ps's rate is, and oneDNN's bfloat16 GEMM (AMX) overtakes it above about 10.
+// to two vdpbf16ps per row of x (32 multiply-adds each): 0.094 ms for the default model's four layer shapes
+// at one row against the float32 grouped kernel's 0.151 (benchmarks/fp8_kernels.py, Sapphire Rapids, 2
+// threads). vdpbf16ps is the bound there (one per 0.54 ns on that CPU against a float32 FMA's 0.14: half
+// float32's multiply-add rate; a decode without table lookups measured no faster), and oneDNN's bfloat16
+// GEMM (AMX) overtakes this kernel above about 10 rows.
 #include "fp8_gemv.h"
 
 #ifdef TOKENMILL_FP8_GEMV_BF16
