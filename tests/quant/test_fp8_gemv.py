@@ -49,11 +49,11 @@ def _case(n: int, k: int, kblock: int, rows: int, seed: int):
     return codes, scales.contiguous(), x
 
 
-@pytest.mark.parametrize("k,kblock", [(576, 576), (200, 200), (264, 264), (392, 128), (640, 128), (96, 32)])
+@pytest.mark.parametrize("k,kblock", [(576, 576), (200, 200), (264, 264), (392, 128), (640, 128), (192, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17, 33])
 def test_the_kernel_is_the_bfloat16_rounded_x_times_the_exact_weight(gemv, k, kblock, rows):
     """Every row count of a pass (1-16: tiles of 4, 2 and 1 weight rows) and several passes, N off the tiles
-    (45 rows), K off the chunks of 64 and 32 (tails of 8..56), per-row and block scales: within float32
+    (45 rows), K off the chunks of 64 (a last chunk of 8..56), per-row and block scales: within float32
     summation error of x.bfloat16() @ dequantized^T in float64, and not the unrounded x's product."""
     codes, scales, x = _case(45, k, kblock, rows, seed=k * 100 + rows)
     dequantized = fp8.dequantize(codes, scales, kblock).double()
@@ -78,18 +78,18 @@ def test_a_strided_x_and_empty_shapes(gemv):
 @pytest.mark.parametrize("case,message", [
     ("int8 codes", "codes must be contiguous float8_e4m3fn"),
     ("K not a multiple of 8", "K a multiple of 8"),
-    ("kblock 48", "kblock must be K \\(96\\) or a multiple of 32, got 48"),
+    ("kblock 48", "kblock must be K \\(192\\) or a multiple of 64, got 48"),
     ("scales of another shape", "scales must be contiguous float32 \\[N, K / kblock\\] = \\[4, 3\\]"),
-    ("float64 x", "x must be float32 \\[T, 96\\]"),
-    ("x of another width", "x must be float32 \\[T, 96\\]"),
+    ("float64 x", "x must be float32 \\[T, 192\\]"),
+    ("x of another width", "x must be float32 \\[T, 192\\]"),
 ])
 def test_bad_arguments_are_named(gemv, case, message):
-    codes, scales, x = _case(4, 96, 32, 2, seed=2)
-    kblock = 32
+    codes, scales, x = _case(4, 192, 64, 2, seed=2)
+    kblock = 64
     if case == "int8 codes":
         codes = codes.view(torch.int8)
     elif case == "K not a multiple of 8":
-        codes, x, kblock = codes[:, :92].contiguous(), x[:, :92], 0
+        codes, x, kblock = codes[:, :188].contiguous(), x[:, :188], 0
         scales = scales[:, :1].contiguous()
     elif case == "kblock 48":
         kblock = 48
@@ -98,6 +98,6 @@ def test_bad_arguments_are_named(gemv, case, message):
     elif case == "float64 x":
         x = x.double()
     else:
-        x = x[:, :64]
+        x = x[:, :128]
     with pytest.raises(RuntimeError, match=message):
         gemv(x, codes, scales, kblock)

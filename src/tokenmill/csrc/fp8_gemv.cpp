@@ -59,52 +59,38 @@ inline void e4m3x64_bf16(__m512i codes, const Bf16Bytes& t, __m512i& even, __m51
   odd = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// 32 E4M3 codes -> 32 bfloat16 in natural order (a block's last 8..56 inputs): a normal code's 7 magnitude
-// bits shifted to bfloat16's exponent|mantissa (bits 14..4) with the exponent bias moved from 7 to 127
-// (+120 << 7); subnormals (exponent bits 0: m x 2^-9) from the low table; then the sign to bit 15.
-inline __m512i e4m3x32_bf16(__m256i codes) {
-  alignas(64) static const uint16_t subnormal_bits[32] = {
-      e4m3_bf16_bits(0), e4m3_bf16_bits(1), e4m3_bf16_bits(2), e4m3_bf16_bits(3),
-      e4m3_bf16_bits(4), e4m3_bf16_bits(5), e4m3_bf16_bits(6), e4m3_bf16_bits(7)};
-  const __m512i b = _mm512_cvtepu8_epi16(codes);
-  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16(0x07F0)),
-                                          _mm512_set1_epi16(120 << 7));
-  const __mmask32 subnormal = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
-  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, subnormal, b, _mm512_load_si512(subnormal_bits));
-  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(b, 8), _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
+// A chunk of 64 bfloat16 inputs into e4m3x64_bf16's order, in place: position p < 32 takes input
+// 16 (p / 8) + p % 8, position p >= 32 takes 16 ((p - 32) / 8) + 8 + p % 8.
+void permute_chunk(uint16_t* chunk) {
+  uint16_t in[kChunk];
+  std::memcpy(in, chunk, sizeof(in));
+  for (int p = 0; p < kChunk; p++) chunk[p] = in[p < 32 ? 16 * (p / 8) + p % 8 : 16 * ((p - 32) / 8) + 8 + p % 8];
 }
 
-// A chunk of 64 bfloat16 inputs into e4m3x64_bf16's order: position p < 32 takes input 16 (p / 8) + p % 8,
-// position p >= 32 takes 16 ((p - 32) / 8) + 8 + p % 8.
-void permute_chunk(const uint16_t* in, uint16_t* out) {
-  for (int p = 0; p < 64; p++) out[p] = in[p < 32 ? 16 * (p / 8) + p % 8 : 16 * ((p - 32) / 8) + 8 + p % 8];
-}
-
-// A row of x [K] float32 -> bfloat16 bits [K] (nearest even), each block's whole chunks of 64 permuted as
-// e4m3x64_bf16 decodes them, the rest in order.
-void round_row(const float* x, int64_t K, int64_t kblock, uint16_t* out) {
-  std::vector<uint16_t> natural(K);
+// A row of x [K] float32 -> bfloat16 bits [Kp] (nearest even; zeros from K to Kp, K rounded up to 64), every
+// chunk of 64 permuted as e4m3x64_bf16 decodes them.
+void round_row(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
   if (k < K) {
     const __mmask16 m = __mmask16((1u << (K - k)) - 1);
-    _mm256_mask_storeu_epi16(natural.data() + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k)));    // zeros past K
+    k += 16;
   }
-  std::memcpy(out, natural.data(), K * sizeof(uint16_t));
-  for (int64_t k0 = 0; k0 < K; k0 += kblock)
-    for (int64_t c = k0; c + kChunk <= std::min(K, k0 + kblock); c += kChunk)
-      permute_chunk(natural.data() + c, out + c);
+  std::fill(out + k, out + Kp, uint16_t(0));
+  for (int64_t c = 0; c < Kp; c += kChunk) permute_chunk(out + c);
 }
 
-// M rows of x (round_row's layout, K apart) against R FP8 weight rows (K apart, scales KB apart):
+// M rows of x (round_row's layout, Kp apart) against R FP8 weight rows (K apart, scales KB apart):
 // out[i * ldo + r] = sum over blocks of scale[r][b] x (row r's bfloat16 products with x's row i, summed in
 // float32). R x M accumulator chains, each taking a chunk's even then odd half; several weight rows at once
-// keep enough chains in flight at M = 1 and overlap the rows' final reductions.
+// keep enough chains in flight at M = 1 and overlap the rows' final reductions. Blocks start at multiples
+// of 64, so only the row's last chunk may be partial: its codes past K load as 0 (decoded 0), as x's are.
 template <int R, int M>
-void dot_tile(const uint16_t* x, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* scale,
-              int64_t KB, int64_t kblock, const Bf16Bytes& t) {
+void dot_tile(const uint16_t* x, int64_t Kp, int64_t K, const uint8_t* w, float* out, int64_t ldo,
+              const float* scale, int64_t KB, int64_t kblock, const Bf16Bytes& t) {
   __m512 total[R][M];
   for (int r = 0; r < R; r++)
     for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
@@ -113,22 +99,15 @@ void dot_tile(const uint16_t* x, int64_t K, const uint8_t* w, float* out, int64_
     __m512 acc[R][M];
     for (int r = 0; r < R; r++)
       for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
-    int64_t k = k0;
-    for (; k + kChunk <= k1; k += kChunk)
+    for (int64_t k = k0; k < k1; k += kChunk) {
+      const __mmask64 m = k1 - k >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (k1 - k)) - 1;
       for (int r = 0; r < R; r++) {
         __m512i even, odd;
-        e4m3x64_bf16(_mm512_loadu_si512(w + r * K + k), t, even, odd);
+        e4m3x64_bf16(_mm512_maskz_loadu_epi8(m, w + r * K + k), t, even, odd);
         for (int i = 0; i < M; i++) {
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)even, (__m512bh)_mm512_loadu_si512(x + i * K + k));
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)odd, (__m512bh)_mm512_loadu_si512(x + i * K + k + 32));
+          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)even, (__m512bh)_mm512_loadu_si512(x + i * Kp + k));
+          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)odd, (__m512bh)_mm512_loadu_si512(x + i * Kp + k + 32));
         }
-      }
-    for (; k < k1; k += 32) {                       // the last 8..56 inputs of the block (K is a multiple of 8)
-      const __mmask32 m = k1 - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (k1 - k)) - 1);
-      for (int r = 0; r < R; r++) {
-        const __m512i wv = e4m3x32_bf16(_mm256_maskz_loadu_epi8(m, w + r * K + k));
-        for (int i = 0; i < M; i++)
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)wv, (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * K + k));
       }
     }
     for (int r = 0; r < R; r++) {
@@ -146,15 +125,15 @@ constexpr int kTileRows = M <= 4 ? 4 : M <= 8 ? 2 : 1;
 
 // Weight rows [n0, n1) against m <= kMaxPass rows of x, in tiles of kTileRows<m> rows.
 template <int M = 1>
-void dot_rows(int m, const uint16_t* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* out,
-              int64_t ldo, const float* scale, int64_t KB, int64_t kblock, const Bf16Bytes& t) {
+void dot_rows(int m, const uint16_t* x, int64_t Kp, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+              float* out, int64_t ldo, const float* scale, int64_t KB, int64_t kblock, const Bf16Bytes& t) {
   if constexpr (M < kMaxPass) {
-    if (m > M) return dot_rows<M + 1>(m, x, K, w, n0, n1, out, ldo, scale, KB, kblock, t);
+    if (m > M) return dot_rows<M + 1>(m, x, Kp, K, w, n0, n1, out, ldo, scale, KB, kblock, t);
   }
   constexpr int R = kTileRows<M>;
   int64_t n = n0;
-  for (; n + R <= n1; n += R) dot_tile<R, M>(x, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
-  for (; n < n1; n++) dot_tile<1, M>(x, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
+  for (; n + R <= n1; n += R) dot_tile<R, M>(x, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
+  for (; n < n1; n++) dot_tile<1, M>(x, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
 }
 
 }  // namespace
@@ -166,8 +145,8 @@ torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor 
               codes.scalar_type(), " ", codes.sizes());
   const int64_t N = codes.size(0), K = codes.size(1);
   if (kblock <= 0) kblock = K;
-  TORCH_CHECK(kblock == K || kblock % 32 == 0, "fp8_gemv_bf16: kblock must be K (", K,
-              ") or a multiple of 32, got ", kblock);
+  TORCH_CHECK(kblock == K || kblock % kChunk == 0, "fp8_gemv_bf16: kblock must be K (", K,
+              ") or a multiple of 64, got ", kblock);
   const int64_t KB = (K + kblock - 1) / kblock;
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
               "fp8_gemv_bf16: scales must be contiguous float32 [N, K / kblock] = [", N, ", ", KB, "], got ",
@@ -178,8 +157,9 @@ torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   const int64_t T = x.size(0);
   auto y = torch::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
-  std::vector<uint16_t> xb(T * K);
-  for (int64_t r = 0; r < T; r++) round_row(xc.data_ptr<float>() + r * K, K, kblock, xb.data() + r * K);
+  const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk;
+  std::vector<uint16_t> xb(T * Kp);
+  for (int64_t r = 0; r < T; r++) round_row(xc.data_ptr<float>() + r * K, K, Kp, xb.data() + r * Kp);
   const Bf16Bytes& tables = bf16_bytes();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
@@ -188,8 +168,8 @@ torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * kBlockRows, n1 = std::min(N, b1 * kBlockRows);
     for (int64_t r = 0; r < T; r += kMaxPass)
-      dot_rows((int)std::min<int64_t>(kMaxPass, T - r), xb.data() + r * K, K, w, n0, n1, out + r * N, N, s, KB,
-               kblock, tables);
+      dot_rows((int)std::min<int64_t>(kMaxPass, T - r), xb.data() + r * Kp, Kp, K, w, n0, n1, out + r * N, N, s,
+               KB, kblock, tables);
   });
   return y;
 }

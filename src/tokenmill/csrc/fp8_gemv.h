@@ -6,7 +6,7 @@
     defined(__AVX512BF16__)
 #define TOKENMILL_FP8_GEMV_BF16 1
 // x [T, K] float32 @ (codes [N, K] float8_e4m3fn x scales [N, K / kblock] float32)^T -> y [T, N] float32,
-// K a multiple of 8, kblock = K (a scale per row) or a multiple of 32. x is rounded to bfloat16 (nearest
+// K a multiple of 8, kblock = K (a scale per row) or a multiple of 64. x is rounded to bfloat16 (nearest
 // even, as torch's .to(torch.bfloat16)); each code is widened to bfloat16 in registers, exactly (every E4M3
 // value but NaN is a bfloat16); the products are summed in float32 (vdpbf16ps) per block of kblock inputs,
 // and each block's sum is multiplied by its float32 scale. So y equals x.bfloat16().float() @ dequantized^T
