@@ -6,7 +6,8 @@ cache slots 0..T-1, so the LLMs here run with prefix caching off) in two ways, a
 of few rows run them (different attention code, and for fp32 different GEMMs; int8/int4 run the tile
 kernels on both):
   prefill: one forward pass of the whole text;
-  decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs.
+  decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs
+           (--decode-chunk: another size, e.g. 8 for the kernels formats run on steps of a few rows).
 The documents (--text): `test` is tests/quant/data/ppl_text.txt alone (about 700 tokens; the test reads it);
 `full` (the default) adds benchmarks/data/ppl_documents.txt (eleven documents of other kinds: narrative,
 expository, dialogue, technical, news, a letter, a manual, a match report, an interview, a diary), written for
@@ -192,6 +193,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="int8,int4,w8a8")
     ap.add_argument("--text", default="full", choices=["test", "full"])
+    ap.add_argument("--decode-chunk", type=int, default=DECODE_CHUNK,
+                    help="tokens per step of the decode path (rows of each step)")
     ap.add_argument("--checkpoints", default="",
                     help="NAME=DIR,...: pre-quantized checkpoints of the default model (e.g. written by "
                          "`tokenmill quantize`), measured as modes NAME after --modes")
@@ -201,6 +204,9 @@ def main() -> None:
     if bad:
         ap.error(f"--checkpoints takes NAME=DIR items, DIR a checkpoint directory; got {bad}")
     checkpoints = dict(item.split("=", 1) for item in items)
+    if args.decode_chunk < 1:
+        ap.error(f"--decode-chunk must be >= 1, got {args.decode_chunk}")
+    PATHS["decode"] = args.decode_chunk
     modes = [m for m in args.modes.split(",") if m] + list(checkpoints)
     results = evaluate(modes, text=args.text, checkpoints=checkpoints)
     n, docs = results["fp32"]["num_text_tokens"], results["fp32"]["num_documents"]

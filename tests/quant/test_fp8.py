@@ -377,7 +377,7 @@ def test_the_fast_mode_rounds_activations_and_output_to_bfloat16(k, strategy):
     """Above tile_max_rows: x and the output (before a per-row scale) rounded to bfloat16, the codes exact
     (times a block scale, rounded to bfloat16): each output within 2^-8 relative of the float64 product of
     the bfloat16 operands (plus float32 sums), and within 5e-3 of the exact mode's output in norm. Up to
-    tile_max_rows only x is rounded (_check_small_rows_fast_mode)."""
+    tile_max_rows the build's gemv (_check_small_rows_fast_mode)."""
     layer = _fast_layer(k, strategy)
     codes, scales, kblock = layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock
     exact_w = fp8.dequantize(codes, scales, kblock).double()
@@ -393,31 +393,58 @@ def test_the_fast_mode_rounds_activations_and_output_to_bfloat16(k, strategy):
         assert ((y - product).abs() <= bound).all()
         exact = x.double() @ exact_w.t()
         assert 1e-4 < ((y - exact).norm() / exact.norm()).item() < 5e-3          # rounded, not exact, but close
-        small = x[:layer.tile_max_rows]                     # up to tile_max_rows: fp8_gemv_bf16, x rounded only
+        small = x[:layer.tile_max_rows]                     # up to tile_max_rows: the fp16 or bfloat16 gemv
         _check_small_rows_fast_mode(layer, small, exact_w, codes, scales, kblock)
 
 
 def _check_small_rows_fast_mode(layer, x, exact_w, codes, scales, kblock):
-    """Steps of up to tile_max_rows in the fast mode: with fp8_gemv_bf16 (AVX-512 BF16 + VBMI builds) x is
-    rounded to bfloat16 and nothing else (the codes exact, the products summed in float32, the scale applied
-    in float32): within 1e-5 of x.bfloat16() @ the exact weight in norm; without it the exact grouped GEMM."""
-    from tokenmill.quant import tile_kernels
+    """Steps of up to tile_max_rows in the fast mode, by the kernel the layer names: fp8_gemv_f16 (AVX-512 FP16
+    builds) within 9 x 2^-11 of |x| @ |w|^T of the exact product elementwise, and a quarter of bfloat16's
+    error in norm; fp8_gemv_bf16 (AVX-512 BF16 + VBMI builds) rounds x to bfloat16 and nothing else (within
+    1e-5 of x.bfloat16() @ the exact weight in norm); without either the exact grouped GEMM."""
     y = layer(x).double() - layer.bias.double()
-    if hasattr(tile_kernels.kernels(), "fp8_gemv_bf16"):
-        assert layer.quant_method.tile_weights(layer)[0] == "fp8_bf16"
+    kind = layer.quant_method.tile_weights(layer)[0]
+    exact = x.double() @ exact_w.t()
+    error = ((y - exact).norm() / exact.norm()).item()
+    if kind == "fp8_f16":
+        assert ((y - exact).abs() <= 9 * 2.0 ** -11 * (x.abs().double() @ exact_w.abs().t())).all()
+        rounded = x.bfloat16().double() @ exact_w.t()
+        assert 1e-6 < error < 0.5 * ((rounded - exact).norm() / exact.norm()).item()
+    elif kind == "fp8_bf16":
         rounded = x.bfloat16().double() @ exact_w.t()
         assert ((y - rounded).norm() / rounded.norm()).item() < 1e-5
-        exact = x.double() @ exact_w.t()
-        assert 1e-4 < ((y - exact).norm() / exact.norm()).item() < 5e-3
+        assert 1e-4 < error < 5e-3
     else:
-        exact = x.double() @ exact_w.t()
-        assert ((y - exact).norm() / exact.norm()).item() < 1e-6
+        assert kind == "fp8" and error < 1e-6
 
 
-def test_the_fast_mode_without_the_gemv_kernel_runs_float32_up_to_16_rows(monkeypatch):
-    """A build with AVX-512 BF16 but not VBMI has fp8_linear_bf16 and no fp8_gemv_bf16: steps of up to 16 rows
-    run the exact grouped kernel (its measured limit), and the native decoder layer gets kind "fp8"."""
-    monkeypatch.setattr(fp8.FP8Method, "bf16_gemv", lambda self: None)
+def _without_fp16_gemv(monkeypatch):
+    """FP8Method as on a build with AVX-512 BF16 + VBMI but not FP16 (Zen 4): fast_gemv gives fp8_gemv_bf16."""
+    from tokenmill.quant import tile_kernels
+    bf16_gemv = getattr(tile_kernels.kernels() or object(), "fp8_gemv_bf16", None)
+    if bf16_gemv is None:
+        pytest.skip("needs an AVX-512 BF16 + VBMI build of the native kernels")
+    monkeypatch.setattr(fp8.FP8Method, "fast_gemv",
+                        lambda self: ("fp8_bf16", bf16_gemv) if self.bf16_activations else None)
+
+
+@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block")])
+def test_the_fast_mode_without_the_fp16_gemv_rounds_x_to_bfloat16_up_to_10_rows(monkeypatch, k, strategy):
+    """Without AVX-512 FP16 the fast mode's small steps run fp8_gemv_bf16 up to 10 rows (its measured limit),
+    in the layer and in the native decoder layer's kind."""
+    _without_fp16_gemv(monkeypatch)
+    layer = _fast_layer(k, strategy)
+    assert layer.tile_max_rows == fp8.FP8Method.FAST_MAX_ROWS == 10
+    assert layer.quant_method.tile_weights(layer)[0] == "fp8_bf16"
+    codes, scales, kblock = layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock
+    x = torch.randn(10, k, generator=torch.Generator().manual_seed(11)) * 3
+    _check_small_rows_fast_mode(layer, x, fp8.dequantize(codes, scales, kblock).double(), codes, scales, kblock)
+
+
+def test_the_fast_mode_without_the_gemv_kernels_runs_float32_up_to_16_rows(monkeypatch):
+    """A build with AVX-512 BF16 but neither FP16 nor VBMI has fp8_linear_bf16 and no gemv: steps of up to 16
+    rows run the exact grouped kernel (its measured limit), and the native decoder layer gets kind "fp8"."""
+    monkeypatch.setattr(fp8.FP8Method, "fast_gemv", lambda self: None)
     layer = _fast_layer(136, "channel")
     assert layer.tile_max_rows == fp8.FP8Method.FAST_GROUPED_MAX_ROWS == 16
     assert layer.quant_method.tile_weights(layer)[0] == "fp8"

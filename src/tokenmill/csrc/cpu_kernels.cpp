@@ -374,6 +374,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemv_bf16", &fp8_gemv_bf16, "x @ (FP8 codes x scales)^T for a few rows: bfloat16 products, "
         "float32 sums (CPU)", py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("kblock"));
 #endif
+#ifdef TOKENMILL_FP8_GEMV_F16   // AVX-512 FP16 builds; Python checks hasattr(module, "fp8_gemv_f16")
+  m.def("fp8_gemv_f16", &fp8_gemv_f16, "x @ (FP8 codes x scales)^T for a few rows: fp16 products and short fp16 "
+        "sums, float32 totals (CPU)", py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("kblock"));
+#endif
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only; Python checks hasattr(module, "gemv_q4")
     m.def("gemv_f32", &gemv_f32, "x @ w^T, float32 tiles of 16 rows (CPU)", py::arg("x"), py::arg("w"), py::arg("N"));
     m.def("gemv_q8", &gemv_q8, "x @ (q * scale)^T, int8 tiles of 16 rows x 32 inputs, a scale per row (CPU)",

@@ -6,8 +6,8 @@
 // Linear layers (DecodeLinear), as Linear.forward picks them: up to `small_rows` rows the tile
 // kernels of gemv_kernels.cpp by kind: "f32" tiles (gemv_f32), "q4" tiles (gemv_q4), "q8" tiles + scales
 // (gemv_q8), "nvfp4" tiles + row scales (gemv_nvfp4), "fp8" codes [1, N, K] + scales [1, N, KB] (the grouped
-// GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it; "fp8_bf16", FP8's fast mode: the same
-// codes through fp8_gemv.cpp's bfloat16 kernel), plus an optional bias [N]; above, the
+// GEMM of moe_kernels.cpp with one group, as FP8Method.apply calls it; "fp8_f16" / "fp8_bf16", FP8's fast mode:
+// the same codes through fp8_gemv.cpp's fp16 / bfloat16 kernel), plus an optional bias [N]; above, the
 // layer's LargeLinear (oneDNN; fp8: the weight dequantized, then at::linear), when it has one. Needs the tile
 // kernels (AVX-512 VNNI builds): elsewhere the per-op path runs.
 #include "decode_layer.h"
@@ -45,13 +45,16 @@ DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional
                            LargeLinear large)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
       small_rows_(small_rows), large_(std::move(large)) {
-  const bool fp8 = kind_ == "fp8" || kind_ == "fp8_bf16";
+  const bool fp8 = kind_ == "fp8" || kind_ == "fp8_bf16" || kind_ == "fp8_f16";
   TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4" || fp8,
               "DecodeLinear: unknown kind ", kind_);
   TORCH_CHECK((kind_ != "q8" && kind_ != "nvfp4" && !fp8) || scales_.has_value(), "DecodeLinear: ", kind_,
               " needs its scales");
 #ifndef TOKENMILL_FP8_GEMV_BF16
   TORCH_CHECK(kind_ != "fp8_bf16", "DecodeLinear: fp8_bf16 tiles need an AVX-512 BF16 + VBMI build");
+#endif
+#ifndef TOKENMILL_FP8_GEMV_F16
+  TORCH_CHECK(kind_ != "fp8_f16", "DecodeLinear: fp8_f16 tiles need an AVX-512 FP16 build");
 #endif
   if (fp8) {
     TORCH_CHECK(weight_.dim() == 3 && weight_.size(0) == 1 && scales_->dim() == 3 &&
@@ -115,6 +118,10 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
   } else if (kind_ == "fp8_bf16") {
 #ifdef TOKENMILL_FP8_GEMV_BF16
     y = fp8_gemv_bf16(x, weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
+#endif
+  } else if (kind_ == "fp8_f16") {
+#ifdef TOKENMILL_FP8_GEMV_F16
+    y = fp8_gemv_f16(x, weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
 #endif
   } else {
     y = gemv_q8(x, weight_, *scales_, n_);

@@ -1,13 +1,16 @@
-// See fp8_gemv.h. Work items are blocks of 16 output rows spread over the threads; each weight row is read
-// once, 64 codes at a time, widened to 64 bfloat16 in registers by table lookups (5 vector ops), and fed
-// to two vdpbf16ps per row of x (32 multiply-adds each): 0.094 ms for the default model's four layer shapes
-// at one row against the float32 grouped kernel's 0.151 (benchmarks/fp8_kernels.py, Sapphire Rapids, 2
-// threads). vdpbf16ps is the bound there (one per 0.54 ns on that CPU against a float32 FMA's 0.14: half
-// float32's multiply-add rate; a decode without table lookups measured no faster), and oneDNN's bfloat16
-// GEMM (AMX) overtakes this kernel above about 10 rows.
+// See fp8_gemv.h. Two kernels for FP8's fast mode at steps of a few rows, one driver: work items are blocks of
+// 16 output rows spread over the threads; each weight row is read once per pass of rows of x, 64 codes at a
+// time, widened in registers and fed to multiply-adds against every row of the pass.
+//
+// Where they stand (Sapphire Rapids, 2 threads; benchmarks/fp8_kernels.py, one row of x, the default model's
+// four layer shapes, each in cache): int8's VNNI tiles 0.028 ms; fp8_gemv_f16 0.068; fp8_gemv_bf16 0.098; the
+// exact float32 grouped kernel 0.157. Per 64 weights (a standalone loop, 4 weight rows in L1): fp8_gemv_bf16
+// 2.8 ns, its two vdpbf16ps 1.3 of them (one per 2 cycles) and its table decode 1.7 (two vpermi2b at 2 cycles
+// each and two unpacks, on the shuffle port the vdpbf16ps also use), the two not overlapping; fp8_gemv_f16
+// 1.2 ns (a shift-and-mask decode of 3 ops per 32 weights, two fp16 FMAs at 2 a cycle).
 #include "fp8_gemv.h"
 
-#ifdef TOKENMILL_FP8_GEMV_BF16
+#if defined(TOKENMILL_FP8_GEMV_BF16) || defined(TOKENMILL_FP8_GEMV_F16)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -20,8 +23,115 @@
 namespace {
 
 constexpr int64_t kBlockRows = 16;   // output rows per work item
-constexpr int kMaxPass = 16;         // rows of x sharing one decoded weight vector
-constexpr int64_t kChunk = 64;       // codes decoded by one table lookup
+constexpr int64_t kChunk = 64;       // codes widened together
+
+// x prepared for a kernel: T rows of 16-bit values [Kp] (K rounded up to 64, zeros past K), every chunk of 64
+// permuted as the kernels widen codes (permute_chunk), and a float32 factor per row the kernel's sums are
+// multiplied by at the end.
+struct PreparedX {
+  std::vector<uint16_t> bits;
+  std::vector<float> factor;
+  int64_t Kp;
+};
+
+// A chunk of 64 16-bit inputs into the order both kernels widen codes in, in place: unpacking bytes into words
+// within each 128-bit lane puts codes 0-7, 16-23, 32-39, 48-55 in the low half of the result ("even") and
+// codes 8-15, 24-31, 40-47, 56-63 in the high half ("odd"). Position p < 32 takes input 16 (p / 8) + p % 8,
+// position p >= 32 takes 16 ((p - 32) / 8) + 8 + p % 8.
+void permute_chunk(uint16_t* chunk) {
+  uint16_t in[kChunk];
+  std::memcpy(in, chunk, sizeof(in));
+  for (int p = 0; p < kChunk; p++) chunk[p] = in[p < 32 ? 16 * (p / 8) + p % 8 : 16 * ((p - 32) / 8) + 8 + p % 8];
+}
+
+// Row [K] float32 -> 16-bit values [Kp] by convert16 (16 float32 -> 16 values), zeros past K, chunks permuted.
+template <class Convert16>
+void convert_row(const float* x, int64_t K, int64_t Kp, uint16_t* out, Convert16 convert16) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), convert16(_mm512_loadu_ps(x + k)));
+  if (k < K) {
+    const __mmask16 m = __mmask16((1u << (K - k)) - 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), convert16(_mm512_maskz_loadu_ps(m, x + k)));
+    k += 16;
+  }
+  std::fill(out + k, out + Kp, uint16_t(0));
+  for (int64_t c = 0; c < Kp; c += kChunk) permute_chunk(out + c);
+}
+
+// The mask of a chunk's codes within [k, k1): all 64, or the row's (or block's) last partial chunk, whose codes
+// past k1 load as 0 (decoded 0, as x is 0 there).
+inline __mmask64 chunk_mask(int64_t k, int64_t k1) {
+  return k1 - k >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (k1 - k)) - 1;
+}
+
+// The chunk two tiles of `tile_bytes` past `chunk` into L1: a tile's rows are contiguous, and its rows
+// (9-24 cache lines each on the default model) are too short for the hardware prefetchers to ramp up on.
+// Measured on fp8_gemv_f16 at one row of x, one thread: 3072 x 576 (L2) 2.1 -> 1.7 ns a chunk, 8192 x 576
+// (past L2) 3.0 -> 1.9, as fast as int8's tiles there.
+inline void prefetch_ahead(const uint8_t* chunk, int64_t tile_bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * tile_bytes), _MM_HINT_T0);
+}
+
+// Weight rows [n0, n1) against m <= Arith::kMaxPass rows of x, in tiles of Arith::kTileRows<m> weight rows.
+template <class Arith, int M = 1>
+void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, int64_t n0,
+              int64_t n1, float* out, int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
+  if constexpr (M < Arith::kMaxPass) {
+    if (m > M) return dot_rows<Arith, M + 1>(m, x, factor, Kp, K, w, n0, n1, out, ldo, scale, KB, kblock);
+  }
+  constexpr int R = Arith::template kTileRows<M>;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    Arith::template tile<R, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+  for (; n < n1; n++)
+    Arith::template tile<1, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+}
+
+// The kernels' common contract: checks (named by `name`), x prepared by Arith::prepare, the threads over
+// blocks of output rows, passes of up to Arith::kMaxPass rows of x.
+template <class Arith>
+torch::Tensor run(const char* name, torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) % 8 == 0,
+              name, ": codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ",
+              codes.scalar_type(), " ", codes.sizes());
+  const int64_t N = codes.size(0), K = codes.size(1);
+  if (kblock <= 0) kblock = K;
+  TORCH_CHECK(kblock == K || kblock % kChunk == 0, name, ": kblock must be K (", K, ") or a multiple of 64, got ",
+              kblock);
+  const int64_t KB = (K + kblock - 1) / kblock;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
+              name, ": scales must be contiguous float32 [N, K / kblock] = [", N, ", ", KB, "], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              name, ": x must be float32 [T, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t T = x.size(0);
+  auto y = torch::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return y;
+  PreparedX px{std::vector<uint16_t>(T * ((K + kChunk - 1) / kChunk * kChunk)), std::vector<float>(T),
+               (K + kChunk - 1) / kChunk * kChunk};
+  for (int64_t r = 0; r < T; r++)
+    px.factor[r] = Arith::prepare(xc.data_ptr<float>() + r * K, K, px.Kp, px.bits.data() + r * px.Kp);
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kBlockRows, n1 = std::min(N, b1 * kBlockRows);
+    for (int64_t r = 0; r < T; r += Arith::kMaxPass)
+      dot_rows<Arith>((int)std::min<int64_t>(Arith::kMaxPass, T - r), px.bits.data() + r * px.Kp,
+                      px.factor.data() + r, px.Kp, K, w, n0, n1, out + r * N, N, s, KB, kblock);
+  });
+  return y;
+}
+
+}  // namespace
+#endif
+
+#ifdef TOKENMILL_FP8_GEMV_BF16
+namespace {
 
 // bfloat16 bits of E4M3 magnitude code c (0..126; 127, NaN, gives 0): exact, as every E4M3 value is a bfloat16.
 uint16_t e4m3_bf16_bits(int c) {
@@ -49,8 +159,8 @@ const Bf16Bytes& bf16_bytes() {
 
 // 64 E4M3 codes -> 64 bfloat16, exactly, in 5 vector ops: each byte of the result looked up by the code's 7
 // magnitude bits (vpermi2b), the sign or-ed into the high byte (vpternlogd 0xF8: a | (b & c)), the bytes
-// interleaved into words within each 128-bit lane. So `even` holds codes 0-7, 16-23, 32-39, 48-55 and `odd`
-// codes 8-15, 24-31, 40-47, 56-63: x's chunk must be in that order (permute_chunk). NaN is not decoded.
+// interleaved into words within each 128-bit lane (`even` and `odd` as permute_chunk orders x). NaN is not
+// decoded.
 inline void e4m3x64_bf16(__m512i codes, const Bf16Bytes& t, __m512i& even, __m512i& odd) {
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, codes, t.hi1), codes,
                                                _mm512_set1_epi8(char(0x80)), 0xF8);
@@ -59,118 +169,157 @@ inline void e4m3x64_bf16(__m512i codes, const Bf16Bytes& t, __m512i& even, __m51
   odd = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// A chunk of 64 bfloat16 inputs into e4m3x64_bf16's order, in place: position p < 32 takes input
-// 16 (p / 8) + p % 8, position p >= 32 takes 16 ((p - 32) / 8) + 8 + p % 8.
-void permute_chunk(uint16_t* chunk) {
-  uint16_t in[kChunk];
-  std::memcpy(in, chunk, sizeof(in));
-  for (int p = 0; p < kChunk; p++) chunk[p] = in[p < 32 ? 16 * (p / 8) + p % 8 : 16 * ((p - 32) / 8) + 8 + p % 8];
-}
+// bfloat16 products (vdpbf16ps) summed in float32.
+struct Bf16Arith {
+  static constexpr int kMaxPass = 16;                      // rows of x sharing one decoded weight vector
+  template <int M>
+  static constexpr int kTileRows = M <= 4 ? 4 : M <= 8 ? 2 : 1;    // R x M <= 16 accumulators
 
-// A row of x [K] float32 -> bfloat16 bits [Kp] (nearest even; zeros from K to Kp, K rounded up to 64), every
-// chunk of 64 permuted as e4m3x64_bf16 decodes them.
-void round_row(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
-  if (k < K) {
-    const __mmask16 m = __mmask16((1u << (K - k)) - 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k)));    // zeros past K
-    k += 16;
+  // x's row rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)); factor 1.
+  static float prepare(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
+    convert_row(x, K, Kp, out, [](__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); });
+    return 1.f;
   }
-  std::fill(out + k, out + Kp, uint16_t(0));
-  for (int64_t c = 0; c < Kp; c += kChunk) permute_chunk(out + c);
-}
 
-// M rows of x (round_row's layout, Kp apart) against R FP8 weight rows (K apart, scales KB apart):
-// out[i * ldo + r] = sum over blocks of scale[r][b] x (row r's bfloat16 products with x's row i, summed in
-// float32). R x M accumulator chains, each taking a chunk's even then odd half; several weight rows at once
-// keep enough chains in flight at M = 1 and overlap the rows' final reductions. Blocks start at multiples
-// of 64, so only the row's last chunk may be partial: its codes past K load as 0 (decoded 0), as x's are.
-template <int R, int M>
-void dot_tile(const uint16_t* x, int64_t Kp, int64_t K, const uint8_t* w, float* out, int64_t ldo,
-              const float* scale, int64_t KB, int64_t kblock, const Bf16Bytes& t) {
-  __m512 total[R][M];
-  for (int r = 0; r < R; r++)
-    for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
-  for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
-    const int64_t k1 = std::min(K, k0 + kblock);
-    __m512 acc[R][M];
+  // M rows of x (Kp apart) against R FP8 weight rows (K apart, scales KB apart): out[i * ldo + r] = sum over
+  // blocks of scale[r][b] x (row r's bfloat16 products with x's row i, summed in float32). R x M accumulator
+  // chains, each taking a chunk's even then odd half; several weight rows at once keep chains in flight at
+  // M = 1 and overlap the rows' final reductions.
+  template <int R, int M>
+  static void tile(const uint16_t* x, const float*, int64_t Kp, int64_t K, const uint8_t* w, float* out,
+                   int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
+    const Bf16Bytes& t = bf16_bytes();
+    __m512 total[R][M];
     for (int r = 0; r < R; r++)
-      for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += kChunk) {
-      const __mmask64 m = k1 - k >= kChunk ? ~__mmask64(0) : (__mmask64(1) << (k1 - k)) - 1;
-      for (int r = 0; r < R; r++) {
-        __m512i even, odd;
-        e4m3x64_bf16(_mm512_maskz_loadu_epi8(m, w + r * K + k), t, even, odd);
-        for (int i = 0; i < M; i++) {
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)even, (__m512bh)_mm512_loadu_si512(x + i * Kp + k));
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)odd, (__m512bh)_mm512_loadu_si512(x + i * Kp + k + 32));
+      for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
+      const int64_t k1 = std::min(K, k0 + kblock);
+      __m512 acc[R][M];
+      for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += kChunk) {
+        const __mmask64 m = chunk_mask(k, k1);
+        for (int r = 0; r < R; r++) {
+          __m512i even, odd;
+          prefetch_ahead(w + r * K + k, R * K);
+          e4m3x64_bf16(_mm512_maskz_loadu_epi8(m, w + r * K + k), t, even, odd);
+          for (int i = 0; i < M; i++) {
+            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)even, (__m512bh)_mm512_loadu_si512(x + i * Kp + k));
+            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)odd,
+                                         (__m512bh)_mm512_loadu_si512(x + i * Kp + k + 32));
+          }
         }
       }
+      for (int r = 0; r < R; r++) {
+        const __m512 s = _mm512_set1_ps(scale[r * KB + b]);
+        for (int i = 0; i < M; i++) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
+      }
     }
-    for (int r = 0; r < R; r++) {
-      const __m512 s = _mm512_set1_ps(scale[r * KB + b]);
-      for (int i = 0; i < M; i++) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
-    }
+    for (int r = 0; r < R; r++)
+      for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]);
   }
-  for (int r = 0; r < R; r++)
-    for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]);
-}
-
-// Weight rows per tile for M rows of x: R x M <= 16 accumulators.
-template <int M>
-constexpr int kTileRows = M <= 4 ? 4 : M <= 8 ? 2 : 1;
-
-// Weight rows [n0, n1) against m <= kMaxPass rows of x, in tiles of kTileRows<m> rows.
-template <int M = 1>
-void dot_rows(int m, const uint16_t* x, int64_t Kp, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-              float* out, int64_t ldo, const float* scale, int64_t KB, int64_t kblock, const Bf16Bytes& t) {
-  if constexpr (M < kMaxPass) {
-    if (m > M) return dot_rows<M + 1>(m, x, Kp, K, w, n0, n1, out, ldo, scale, KB, kblock, t);
-  }
-  constexpr int R = kTileRows<M>;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) dot_tile<R, M>(x, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
-  for (; n < n1; n++) dot_tile<1, M>(x, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock, t);
-}
+};
 
 }  // namespace
 
 torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
-  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.size(1) % 8 == 0,
-              "fp8_gemv_bf16: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ",
-              codes.scalar_type(), " ", codes.sizes());
-  const int64_t N = codes.size(0), K = codes.size(1);
-  if (kblock <= 0) kblock = K;
-  TORCH_CHECK(kblock == K || kblock % kChunk == 0, "fp8_gemv_bf16: kblock must be K (", K,
-              ") or a multiple of 64, got ", kblock);
-  const int64_t KB = (K + kblock - 1) / kblock;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
-              "fp8_gemv_bf16: scales must be contiguous float32 [N, K / kblock] = [", N, ", ", KB, "], got ",
-              scales.scalar_type(), " ", scales.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
-              "fp8_gemv_bf16: x must be float32 [T, ", K, "], got ", x.scalar_type(), " ", x.sizes());
-  const torch::Tensor xc = x.contiguous();
-  const int64_t T = x.size(0);
-  auto y = torch::empty({T, N}, x.options());
-  if (T == 0 || N == 0) return y;
-  const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk;
-  std::vector<uint16_t> xb(T * Kp);
-  for (int64_t r = 0; r < T; r++) round_row(xc.data_ptr<float>() + r * K, K, Kp, xb.data() + r * Kp);
-  const Bf16Bytes& tables = bf16_bytes();
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scales.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kBlockRows, n1 = std::min(N, b1 * kBlockRows);
-    for (int64_t r = 0; r < T; r += kMaxPass)
-      dot_rows((int)std::min<int64_t>(kMaxPass, T - r), xb.data() + r * Kp, Kp, K, w, n0, n1, out + r * N, N, s,
-               KB, kblock, tables);
-  });
-  return y;
+  return run<Bf16Arith>("fp8_gemv_bf16", x, codes, scales, kblock);
+}
+#endif
+
+#ifdef TOKENMILL_FP8_GEMV_F16
+namespace {
+
+constexpr int kXExponent = 11;       // x's rows are scaled so that max |x| < 2^11
+constexpr int kFlushChunks = 4;      // chunks (2 products a lane each) summed in fp16 before float32
+// So a lane's fp16 sum holds at most 8 products, each under 2^11 x 1.75 (the largest E4M3 value, 448, is
+// 1.75 as the decode's fp16 x 2^-8): under 28,672, inside fp16's 65,504.
+
+// 64 E4M3 codes -> 64 fp16 of value x 2^-8, exactly, in 3 ops per 32: the code unpacked into a word's high byte
+// (code << 8: sign in bit 15, exponent and mantissa in bits 8-14), shifted right arithmetically by 1 (the
+// sign in bits 15 and 14, exponent bits 10-13, mantissa bits 7-9) and bit 14 cleared. fp16's exponent bias is
+// 15 where E4M3's is 7, so each normal value comes out x 2^-8, and so does each subnormal (E4M3's m x 2^-9 is
+// fp16's subnormal m x 2^-17). NaN (0x7F / 0xFF) is not decoded (it reads as +-480).
+inline void e4m3x64_f16(__m512i codes, __m512i& even, __m512i& odd) {
+  const __m512i zero = _mm512_setzero_si512(), keep = _mm512_set1_epi16(short(0xBFFF));
+  even = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, codes), 1), keep);
+  odd = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, codes), 1), keep);
+}
+
+// fp16 products summed in fp16 over at most kFlushChunks chunks, then in float32.
+struct F16Arith {
+  static constexpr int kMaxPass = 8;                       // rows of x sharing one decoded weight vector
+  template <int M>
+  static constexpr int kTileRows = M <= 2 ? 4 : M <= 4 ? 2 : 1;    // R x M <= 8 (fp16 and float32 sums)
+
+  // x's row times 2^shift, shift such that max |x| 2^shift < 2^kXExponent, rounded to fp16 (nearest even:
+  // relative 2^-11; values under 2^-14 of that scale's unit lose bits as fp16 subnormals); factor 2^(8 - shift)
+  // undoes the shift and the decode's 2^-8. A row without a finite nonzero maximum keeps shift 0 (zeros give
+  // zeros; inf and NaN propagate).
+  static float prepare(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
+    __m512 amax = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    if (k < K) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (K - k)) - 1), x + k)));
+    const float top = _mm512_reduce_max_ps(amax);
+    int exponent = 0, shift = 0;
+    if (std::isfinite(top) && top > 0) {
+      std::frexp(top, &exponent);                          // top < 2^exponent, exponent in [-148, 128]
+      shift = std::min(kXExponent - exponent, 127);       // 2^shift and 2^(8 - shift) are normal float32
+    }
+    const __m512 up = _mm512_set1_ps(std::ldexp(1.f, shift));
+    convert_row(x, K, Kp, out, [up](__m512 v) {
+      return _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(v, up)));
+    });
+    return std::ldexp(1.f, 8 - shift);
+  }
+
+  // As Bf16Arith::tile, with fp16 FMAs into R x M fp16 sums, each moved into its float32 total (times its
+  // block's scale) every kFlushChunks chunks and at each block's end; the totals times x's row factors.
+  template <int R, int M>
+  static void tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, float* out,
+                   int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
+    __m512 total[R][M];
+    for (int r = 0; r < R; r++)
+      for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
+      const int64_t k1 = std::min(K, k0 + kblock);
+      __m512 s[R];
+      for (int r = 0; r < R; r++) s[r] = _mm512_set1_ps(scale[r * KB + b]);
+      for (int64_t f = k0; f < k1; f += kFlushChunks * kChunk) {
+        const int64_t f1 = std::min(k1, f + kFlushChunks * kChunk);
+        __m512h acc[R][M];
+        for (int r = 0; r < R; r++)
+          for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ph();
+        for (int64_t k = f; k < f1; k += kChunk) {
+          const __mmask64 m = chunk_mask(k, f1);
+          for (int r = 0; r < R; r++) {
+            __m512i even, odd;
+            prefetch_ahead(w + r * K + k, R * K);
+            e4m3x64_f16(_mm512_maskz_loadu_epi8(m, w + r * K + k), even, odd);
+            for (int i = 0; i < M; i++) {
+              acc[r][i] = _mm512_fmadd_ph((__m512h)even, (__m512h)_mm512_loadu_si512(x + i * Kp + k), acc[r][i]);
+              acc[r][i] = _mm512_fmadd_ph((__m512h)odd, (__m512h)_mm512_loadu_si512(x + i * Kp + k + 32), acc[r][i]);
+            }
+          }
+        }
+        for (int r = 0; r < R; r++)
+          for (int i = 0; i < M; i++) {
+            const __m512i a = (__m512i)acc[r][i];
+            total[r][i] = _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_castsi512_si256(a)), s[r], total[r][i]);
+            total[r][i] = _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_extracti64x4_epi64(a, 1)), s[r],
+                                          total[r][i]);
+          }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]) * factor[i];
+  }
+};
+
+}  // namespace
+
+torch::Tensor fp8_gemv_f16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+  return run<F16Arith>("fp8_gemv_f16", x, codes, scales, kblock);
 }
 #endif

@@ -5,9 +5,13 @@ the fast mode's kernels), times a float32 scale per output row and block of inpu
     w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel) or 128 (blocks)
 
 Steps of up to `tile_max_rows` rows (decode):
-- the fast mode (`bf16_activations`, where the build has AVX-512 BF16 and VBMI; the default): fp8_gemv_bf16,
-  the codes widened to bfloat16 in registers by table lookups (exact), the activations rounded to bfloat16,
-  the products summed in float32 (vdpbf16ps), a block's sum times its scale in float32;
+- the fast mode (`bf16_activations`, the default) where the build has AVX-512 FP16 (Sapphire Rapids and
+  later): fp8_gemv_f16, the codes widened to fp16 in registers by shifts (exact), each row of activations
+  scaled by a power of two and rounded to fp16, fp16 FMAs summing at most 8 products a lane before float32
+  (relative error about 4e-4 of the output's norm, a quarter of bfloat16's);
+- the fast mode where the build has AVX-512 BF16 and VBMI but not FP16 (Zen 4): fp8_gemv_bf16, the codes
+  widened to bfloat16 in registers by table lookups (exact), the activations rounded to bfloat16, the
+  products summed in float32 (vdpbf16ps), a block's sum times its scale in float32;
 - otherwise float32 activations (the grouped GEMM: each code decoded to float32 in registers), the exact
   reference of the format (this CPU has no FP8 arithmetic).
 
@@ -49,8 +53,9 @@ class FP8Method(QuantMethod):
     # float32 GEMM. The limits are where the larger kernel gets faster per step (default model's shapes,
     # benchmarks/fp8_kernels.py); the native decoder layer runs the same kernels.
     EXACT_MAX_ROWS = 40
-    FAST_MAX_ROWS = 10               # fp8_gemv_bf16 below, oneDNN's bfloat16 GEMM above
-    FAST_GROUPED_MAX_ROWS = 16       # builds with AVX-512 BF16 but not VBMI (no fp8_gemv_bf16): float32 below
+    FAST_F16_MAX_ROWS = 14           # fp8_gemv_f16 below, oneDNN's bfloat16 GEMM above
+    FAST_MAX_ROWS = 10               # builds without AVX-512 FP16: fp8_gemv_bf16 below
+    FAST_GROUPED_MAX_ROWS = 16       # builds with AVX-512 BF16 but neither kernel: float32 below
     bf16_activations = True          # the fast mode, where the build has AVX-512 BF16
 
     def __init__(self, bf16_activations: bool | None = None) -> None:
@@ -63,17 +68,25 @@ class FP8Method(QuantMethod):
         native = tile_kernels.kernels() if self.bf16_activations else None
         return getattr(native, "fp8_linear_bf16", None)
 
-    def bf16_gemv(self):
-        """csrc's fp8_gemv_bf16 (steps of up to tile_max_rows) in the fast mode where the build has it (AVX-512
-        BF16 and VBMI), else None."""
+    def fast_gemv(self) -> tuple[str, object] | None:
+        """The fast mode's kernel for steps of up to tile_max_rows, as (decoder-layer kind, function): csrc's
+        fp8_gemv_f16 where the build has it (AVX-512 FP16), else fp8_gemv_bf16 (AVX-512 BF16 and VBMI); None
+        in the exact mode or where the build has neither."""
         native = tile_kernels.kernels() if self.bf16_activations else None
-        return getattr(native, "fp8_gemv_bf16", None)
+        for kind, name in (("fp8_f16", "fp8_gemv_f16"), ("fp8_bf16", "fp8_gemv_bf16")):
+            kernel = getattr(native, name, None)
+            if kernel is not None:
+                return kind, kernel
+        return None
 
     @property
     def tile_max_rows(self) -> int:
         if self.bf16_kernel() is None:
             return self.EXACT_MAX_ROWS
-        return self.FAST_MAX_ROWS if self.bf16_gemv() is not None else self.FAST_GROUPED_MAX_ROWS
+        gemv = self.fast_gemv()
+        if gemv is None:
+            return self.FAST_GROUPED_MAX_ROWS
+        return self.FAST_F16_MAX_ROWS if gemv[0] == "fp8_f16" else self.FAST_MAX_ROWS
 
     def check_shape(self, layer) -> None:
         if layer.in_features % 8:
@@ -122,12 +135,13 @@ class FP8Method(QuantMethod):
         layer.fp8_kblock = kblock
 
     def tile_weights(self, layer):
-        """("fp8" or, in the fast mode, "fp8_bf16", codes [1, N, K], scales [1, N, KB]) for
-        csrc/decode_layer.cpp's DecodeLinear, which runs the same kernel as `apply` (the grouped GEMM, or
-        fp8_gemv_bf16); None without the native tile kernels (no native decoder layer)."""
+        """(kind, codes [1, N, K], scales [1, N, KB]) for csrc/decode_layer.cpp's DecodeLinear, which runs the
+        same kernel as `apply`: kind "fp8" (the grouped GEMM) or, in the fast mode, fast_gemv's ("fp8_f16",
+        "fp8_bf16"); None without the native tile kernels (no native decoder layer)."""
         if tile_kernels.kernels() is None or not hasattr(tile_kernels.kernels(), "moe_grouped_gemm"):
             return None
-        return ("fp8_bf16" if self.bf16_gemv() is not None else "fp8"), layer.fp8_weight, layer.fp8_scale
+        gemv = self.fast_gemv()
+        return ("fp8" if gemv is None else gemv[0]), layer.fp8_weight, layer.fp8_scale
 
     def tile_kernel(self, layer):
         """`apply` itself (tile_weights only names its kernels for the decoder layer)."""
@@ -148,9 +162,10 @@ class FP8Method(QuantMethod):
                 return self.add_bias(layer, y)
             w = tile_kernels.kernels().fp8_dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
             return torch.nn.functional.linear(x.float(), w, layer.bias)
-        gemv = self.bf16_gemv()
+        gemv = self.fast_gemv()
         if gemv is not None:
-            return self.add_bias(layer, gemv(x.float(), layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
+            y = gemv[1](x.float(), layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
+            return self.add_bias(layer, y)
         y = grouped_linear(x, layer.fp8_weight, layer.fp8_scale, layer.fp8_kblock,
                            lambda: dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock))
         return self.add_bias(layer, y)
