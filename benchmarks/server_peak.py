@@ -47,7 +47,9 @@ def parse_args() -> argparse.Namespace:
                         "policy may add a parallel layout: slo+dp2 (2 replicas), slo+tp2 (2 tensor-parallel "
                         "ranks), the CPU threads split between them; +spec: speculation as "
                         "--speculative-config says (slo,slo+spec: with and without, side by side); +bf16kv / "
-                        "+fp8kv: a bfloat16 / FP8 KV cache (slo,slo+bf16kv: float32 against bfloat16 KV)")
+                        "+fp8kv: a bfloat16 / FP8 KV cache (slo,slo+bf16kv: float32 against bfloat16 KV); "
+                        "fcfs@REV: the server of git revision REV (a worktree under --out-dir), the engine as it "
+                        "stood then (fcfs@e0cc00a: before issue 16's work, whose FCFS scheduler it names)")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
@@ -114,6 +116,32 @@ KV_CACHES = {"bf16kv": "bfloat16", "fp8kv": "fp8"}
 class System:
     name: str
     command: list[str]
+    env: dict[str, str] | None = None     # the server's environment (None: this process's)
+
+
+def revision_tree(rev: str, out_dir: str) -> Path:
+    """A worktree of git revision `rev` of this repository under out_dir (made once, kept for reruns):
+    its src/ is the tokenmill an fcfs@REV server imports. Its native kernels build on first use into their own
+    cache directory (keyed by their sources' place and contents)."""
+    repo = Path(__file__).resolve().parent.parent
+    tree = Path(out_dir).resolve() / f"tree-{rev}"
+    if not (tree / "src" / "tokenmill").is_dir():
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--force", "--detach", str(tree), rev],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"fcfs@{rev}: git worktree add failed: {done.stderr.strip()}")
+    return tree
+
+
+def revision_system(name: str, rev: str, args, port: int) -> System:
+    """fcfs@REV: `tokenmill serve` from revision REV's source, with the flags every revision takes (older
+    CLIs have no --scheduling-policy: their scheduler is FCFS)."""
+    cmd = TOKENMILL + ["serve", "--port", str(port), "--no-prefix-caching"]
+    if args.quantization != "none":
+        cmd += ["--quantization", args.quantization]
+    env = dict(os.environ, PYTHONPATH=str(revision_tree(rev, args.out_dir) / "src"))
+    return System(f"tokenmill-{name}", cmd, env)
 
 
 def cpu_has_amx() -> bool:
@@ -126,6 +154,12 @@ def cpu_has_amx() -> bool:
 def systems(args, gguf: str, port: int) -> list[System]:
     out = []
     for name in args.systems.split(","):
+        if "@" in name:
+            policy, rev = name.split("@", 1)
+            if policy != "fcfs" or not rev or "+" in rev:
+                sys.exit(f"system {name!r}: a revision's server is fcfs@REV, without +extras")
+            out.append(revision_system(name, rev, args, port))
+            continue
         policy, *extras = name.split("+")
         spec = "spec" in extras
         caches = [e for e in extras if e in KV_CACHES]
@@ -160,7 +194,7 @@ def systems(args, gguf: str, port: int) -> list[System]:
             out.append(System("llama-server", cmd))
         else:
             sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2, +spec, and +bf16kv "
-                     "or +fp8kv) or llama-server")
+                     "or +fp8kv), fcfs@REV or llama-server")
     return out
 
 
@@ -218,7 +252,8 @@ def measure(args, system: System, port: int, round_no: int, hold_from: float | N
     stem = f"{system.name}_r{round_no}"
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.out_dir) / f"{stem}_server.log", "wb")
-    proc = subprocess.Popen(system.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(system.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=system.env)
     try:
         wait_ready(url, proc)
         queries = str(max(args.offline_queries, args.num_samples))   # a dataset of few rows is cycled

@@ -134,3 +134,30 @@ def test_kv_cache_variants_set_the_cache_dtype_and_combine_with_the_others():
     args.systems = "slo+bf16kv+fp8kv"
     with pytest.raises(SystemExit, match="unknown system"):
         server_peak.systems(args, "model.gguf", 8123)
+
+
+def test_a_revision_system_serves_that_revisions_source_with_the_flags_every_revision_takes(tmp_path, monkeypatch):
+    """fcfs@REV: `tokenmill serve` with PYTHONPATH at a worktree of REV (made under --out-dir, git's own
+    `worktree add` mocked here), no --scheduling-policy (older CLIs have none); other forms refused by name."""
+    made = []
+
+    def worktree_add(cmd, **kw):
+        made.append(cmd)
+        (Path(cmd[-2]) / "src" / "tokenmill").mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(server_peak.subprocess, "run", worktree_add)
+    args = argparse.Namespace(systems="fcfs@abc1234,slo", quantization="int4", profile="llama3.1-8b",
+                              speculative_config=None, llama_server="/nonexistent", llama_slots=16,
+                              out_dir=str(tmp_path))
+    built = {s.name: s for s in server_peak.systems(args, "model.gguf", 8123)}
+    old = built["tokenmill-fcfs@abc1234"]
+    assert "--scheduling-policy" not in old.command and old.command[-2:] == ["--quantization", "int4"]
+    assert old.env["PYTHONPATH"] == str(tmp_path.resolve() / "tree-abc1234" / "src")
+    assert made[0][-3:] == ["--detach", str(tmp_path.resolve() / "tree-abc1234"), "abc1234"]
+    assert built["tokenmill-slo"].env is None and "--scheduling-policy" in built["tokenmill-slo"].command
+    server_peak.systems(args, "model.gguf", 8123)
+    assert len(made) == 1                                     # the worktree is made once, then reused
+    for bad in ("slo@abc1234", "fcfs@", "fcfs@abc+bf16kv"):
+        args.systems = bad
+        with pytest.raises(SystemExit, match="fcfs@REV, without"):
+            server_peak.systems(args, "model.gguf", 8123)
