@@ -56,7 +56,7 @@ class FP8Method(QuantMethod):
     FAST_F16_MAX_ROWS = 14           # fp8_gemv_f16 below, oneDNN's bfloat16 GEMM above
     FAST_MAX_ROWS = 10               # builds without AVX-512 FP16: fp8_gemv_bf16 below
     FAST_GROUPED_MAX_ROWS = 16       # builds with AVX-512 BF16 but neither kernel: float32 below
-    bf16_activations = True          # the fast mode, where the build has AVX-512 BF16
+    bf16_activations = True          # the fast mode (AVX-512 BF16 builds; small steps in fp16 with AVX-512 FP16)
 
     def __init__(self, bf16_activations: bool | None = None) -> None:
         # pinned per instance: the class attribute read when the engine is built sets the mode it keeps
