@@ -120,9 +120,9 @@ class System:
 
 
 def revision_tree(rev: str, out_dir: str) -> Path:
-    """A worktree of git revision `rev` of this repository under out_dir (made once, kept for reruns):
-    its src/ is the tokenmill an fcfs@REV server imports. Its native kernels build on first use into their own
-    cache directory (keyed by their sources' place and contents)."""
+    """A worktree of git revision `rev` of this repository under out_dir (made once, kept for reruns; `git
+    worktree remove --force DIR` drops it): its src/ is the tokenmill an fcfs@REV server imports. Its native
+    kernels build on first use into their own cache directory (keyed by their sources' place and contents)."""
     repo = Path(__file__).resolve().parent.parent
     tree = Path(out_dir).resolve() / f"tree-{rev}"
     if not (tree / "src" / "tokenmill").is_dir():
