@@ -73,6 +73,44 @@ inline void prefetch_ahead(const uint8_t* chunk, int64_t tile_bytes) {
   _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * tile_bytes), _MM_HINT_T0);
 }
 
+// M rows of x (Kp apart) against R FP8 weight rows (K apart, scales KB apart): out[i * ldo + r] = factor[i] x
+// the sum over blocks of scale[r][b] x (row r's products with x's row i). R x M accumulator chains of
+// Arith::Acc, each taking a chunk's even then odd half (Arith::dot) and moved into a float32 total times its
+// block's scale (Arith::flush) every Arith::kFlushChunks chunks and at each block's end; several weight rows at
+// once keep chains in flight at M = 1 and overlap the rows' final reductions.
+template <class Arith, int R, int M>
+void dot_tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, float* out,
+              int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
+  const auto& tables = Arith::tables();
+  __m512 total[R][M];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
+    const int64_t k1 = std::min(K, k0 + kblock);
+    __m512 s[R];
+    for (int r = 0; r < R; r++) s[r] = _mm512_set1_ps(scale[r * KB + b]);
+    for (int64_t f = k0; f < k1; f += Arith::kFlushChunks * kChunk) {
+      const int64_t f1 = std::min(k1, f + Arith::kFlushChunks * kChunk);
+      typename Arith::Acc acc[R][M];
+      for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = Arith::zero();
+      for (int64_t k = f; k < f1; k += kChunk) {
+        const __mmask64 m = chunk_mask(k, f1);
+        for (int r = 0; r < R; r++) {
+          __m512i even, odd;
+          prefetch_ahead(w + r * K + k, R * K);
+          Arith::widen(_mm512_maskz_loadu_epi8(m, w + r * K + k), tables, even, odd);
+          for (int i = 0; i < M; i++) acc[r][i] = Arith::dot(acc[r][i], even, odd, x + i * Kp + k);
+        }
+      }
+      for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) total[r][i] = Arith::flush(acc[r][i], s[r], total[r][i]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]) * factor[i];
+}
+
 // Weight rows [n0, n1) against m <= Arith::kMaxPass rows of x, in tiles of Arith::kTileRows<m> weight rows.
 template <class Arith, int M = 1>
 void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, int64_t n0,
@@ -83,9 +121,9 @@ void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t
   constexpr int R = Arith::template kTileRows<M>;
   int64_t n = n0;
   for (; n + R <= n1; n += R)
-    Arith::template tile<R, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+    dot_tile<Arith, R, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
   for (; n < n1; n++)
-    Arith::template tile<1, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+    dot_tile<Arith, 1, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
 }
 
 // The kernels' common contract: checks (named by `name`), x prepared by Arith::prepare, the threads over
@@ -181,43 +219,19 @@ struct Bf16Arith {
     return 1.f;
   }
 
-  // M rows of x (Kp apart) against R FP8 weight rows (K apart, scales KB apart): out[i * ldo + r] = sum over
-  // blocks of scale[r][b] x (row r's bfloat16 products with x's row i, summed in float32). R x M accumulator
-  // chains, each taking a chunk's even then odd half; several weight rows at once keep chains in flight at
-  // M = 1 and overlap the rows' final reductions.
-  template <int R, int M>
-  static void tile(const uint16_t* x, const float*, int64_t Kp, int64_t K, const uint8_t* w, float* out,
-                   int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
-    const Bf16Bytes& t = bf16_bytes();
-    __m512 total[R][M];
-    for (int r = 0; r < R; r++)
-      for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
-      const int64_t k1 = std::min(K, k0 + kblock);
-      __m512 acc[R][M];
-      for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
-      for (int64_t k = k0; k < k1; k += kChunk) {
-        const __mmask64 m = chunk_mask(k, k1);
-        for (int r = 0; r < R; r++) {
-          __m512i even, odd;
-          prefetch_ahead(w + r * K + k, R * K);
-          e4m3x64_bf16(_mm512_maskz_loadu_epi8(m, w + r * K + k), t, even, odd);
-          for (int i = 0; i < M; i++) {
-            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)even, (__m512bh)_mm512_loadu_si512(x + i * Kp + k));
-            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)odd,
-                                         (__m512bh)_mm512_loadu_si512(x + i * Kp + k + 32));
-          }
-        }
-      }
-      for (int r = 0; r < R; r++) {
-        const __m512 s = _mm512_set1_ps(scale[r * KB + b]);
-        for (int i = 0; i < M; i++) total[r][i] = _mm512_fmadd_ps(acc[r][i], s, total[r][i]);
-      }
-    }
-    for (int r = 0; r < R; r++)
-      for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]);
+  // bfloat16 products with float32 sums (vdpbf16ps), scaled at each block's end only
+  using Acc = __m512;
+  static constexpr int64_t kFlushChunks = int64_t(1) << 24;
+  static const Bf16Bytes& tables() { return bf16_bytes(); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static void widen(__m512i codes, const Bf16Bytes& t, __m512i& even, __m512i& odd) {
+    e4m3x64_bf16(codes, t, even, odd);
   }
+  static Acc dot(Acc acc, __m512i even, __m512i odd, const uint16_t* x) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)even, (__m512bh)_mm512_loadu_si512(x));
+    return _mm512_dpbf16_ps(acc, (__m512bh)odd, (__m512bh)_mm512_loadu_si512(x + 32));
+  }
+  static __m512 flush(Acc acc, __m512 s, __m512 total) { return _mm512_fmadd_ps(acc, s, total); }
 };
 
 }  // namespace
@@ -231,7 +245,7 @@ torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor 
 namespace {
 
 constexpr int kXExponent = 11;       // x's rows are scaled so that max |x| < 2^11
-constexpr int kFlushChunks = 4;      // chunks (2 products a lane each) summed in fp16 before float32
+constexpr int64_t kF16SumChunks = 4;  // chunks (2 products a lane each) summed in fp16 before float32
 // So a lane's fp16 sum holds at most 8 products, each under 2^11 x 1.75 (the largest E4M3 value, 448, is
 // 1.75 as the decode's fp16 x 2^-8): under 28,672, inside fp16's 65,504.
 
@@ -246,7 +260,7 @@ inline void e4m3x64_f16(__m512i codes, __m512i& even, __m512i& odd) {
   odd = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, codes), 1), keep);
 }
 
-// fp16 products summed in fp16 over at most kFlushChunks chunks, then in float32.
+// fp16 products summed in fp16 over at most kF16SumChunks chunks, then in float32.
 struct F16Arith {
   static constexpr int kMaxPass = 8;                       // rows of x sharing one decoded weight vector
   template <int M>
@@ -274,46 +288,21 @@ struct F16Arith {
     return std::ldexp(1.f, 8 - shift);
   }
 
-  // As Bf16Arith::tile, with fp16 FMAs into R x M fp16 sums, each moved into its float32 total (times its
-  // block's scale) every kFlushChunks chunks and at each block's end; the totals times x's row factors.
-  template <int R, int M>
-  static void tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, float* out,
-                   int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
-    __m512 total[R][M];
-    for (int r = 0; r < R; r++)
-      for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, b = 0; k0 < K; k0 += kblock, b++) {
-      const int64_t k1 = std::min(K, k0 + kblock);
-      __m512 s[R];
-      for (int r = 0; r < R; r++) s[r] = _mm512_set1_ps(scale[r * KB + b]);
-      for (int64_t f = k0; f < k1; f += kFlushChunks * kChunk) {
-        const int64_t f1 = std::min(k1, f + kFlushChunks * kChunk);
-        __m512h acc[R][M];
-        for (int r = 0; r < R; r++)
-          for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ph();
-        for (int64_t k = f; k < f1; k += kChunk) {
-          const __mmask64 m = chunk_mask(k, f1);
-          for (int r = 0; r < R; r++) {
-            __m512i even, odd;
-            prefetch_ahead(w + r * K + k, R * K);
-            e4m3x64_f16(_mm512_maskz_loadu_epi8(m, w + r * K + k), even, odd);
-            for (int i = 0; i < M; i++) {
-              acc[r][i] = _mm512_fmadd_ph((__m512h)even, (__m512h)_mm512_loadu_si512(x + i * Kp + k), acc[r][i]);
-              acc[r][i] = _mm512_fmadd_ph((__m512h)odd, (__m512h)_mm512_loadu_si512(x + i * Kp + k + 32), acc[r][i]);
-            }
-          }
-        }
-        for (int r = 0; r < R; r++)
-          for (int i = 0; i < M; i++) {
-            const __m512i a = (__m512i)acc[r][i];
-            total[r][i] = _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_castsi512_si256(a)), s[r], total[r][i]);
-            total[r][i] = _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_extracti64x4_epi64(a, 1)), s[r],
-                                          total[r][i]);
-          }
-      }
-    }
-    for (int r = 0; r < R; r++)
-      for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]) * factor[i];
+  // fp16 FMAs, at most kFlushChunks chunks into a lane's sum before float32
+  using Acc = __m512h;
+  struct NoTables {};
+  static constexpr int64_t kFlushChunks = kF16SumChunks;
+  static NoTables tables() { return {}; }
+  static Acc zero() { return _mm512_setzero_ph(); }
+  static void widen(__m512i codes, NoTables, __m512i& even, __m512i& odd) { e4m3x64_f16(codes, even, odd); }
+  static Acc dot(Acc acc, __m512i even, __m512i odd, const uint16_t* x) {
+    acc = _mm512_fmadd_ph((__m512h)even, (__m512h)_mm512_loadu_si512(x), acc);
+    return _mm512_fmadd_ph((__m512h)odd, (__m512h)_mm512_loadu_si512(x + 32), acc);
+  }
+  static __m512 flush(Acc acc, __m512 s, __m512 total) {
+    const __m512i a = (__m512i)acc;
+    total = _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_castsi512_si256(a)), s, total);
+    return _mm512_fmadd_ps(_mm512_cvtxph_ps((__m256h)_mm512_extracti64x4_epi64(a, 1)), s, total);
   }
 };
 
