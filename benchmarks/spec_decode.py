@@ -14,6 +14,7 @@ drift of the machine's speed lands on every config alike.
 
     .venv/bin/python benchmarks/spec_decode.py [--runs 3] [--quantization int4] [--skip-offline]
         [--skip-batch1] [--mtp-head DIR]    # also the mtp configs, with a head from `tokenmill train-mtp --out DIR`
+        [--mtp-head DIR2 ...]                # several heads in one run: configs named e.g. mtp-k2-fixed@DIR2
 """
 from __future__ import annotations
 
@@ -86,13 +87,19 @@ def main() -> None:
     ap.add_argument("--offline-requests", type=int, default=64)
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true")
-    ap.add_argument("--mtp-head", default=None, help="a `tokenmill train-mtp` directory: adds the mtp configs")
+    ap.add_argument("--mtp-head", action="append", default=[],
+                    help="a `tokenmill train-mtp` directory: adds the mtp configs; given more than once, each head's "
+                         "configs are named CONFIG@DIRNAME (heads compared in one run)")
     args = ap.parse_args()
     configs = dict(CONFIGS)
-    if args.mtp_head:
-        configs.update({k: dict(v, model=args.mtp_head) for k, v in MTP_CONFIGS.items()})
-        if args.configs == ",".join(CONFIGS):
-            args.configs = ",".join(configs)
+    for head in args.mtp_head:
+        suffix = "" if len(args.mtp_head) == 1 else "@" + os.path.basename(os.path.normpath(head))
+        configs.update({k + suffix: dict(v, model=head) for k, v in MTP_CONFIGS.items()})
+    if args.mtp_head and args.configs == ",".join(CONFIGS):
+        args.configs = ",".join(configs)
+    unknown = [n for n in args.configs.split(",") if n.removesuffix("+perop-verify") not in configs]
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; expected some of {', '.join(configs)}")
     from tokenmill import LLM
     quantization = None if args.quantization in ("fp32", "none") else args.quantization
     texts = prompts()
@@ -126,7 +133,7 @@ def main() -> None:
                       statistics.median(offline_rates[name]) if offline_rates[name] else None) for name in names}
     base = results.get("none")
     for name, (rate, length, off) in results.items():
-        line = f"{name:18s}"
+        line = f"{name:24s}"
         if rate is not None:
             ratio = f" x{rate / base[0]:.2f}" if base and base[0] and name != "none" else ""
             acc = f", mean acceptance length {length:.2f}" if length else ""

@@ -22,8 +22,8 @@ def head(tiny_model_factory, tmp_path_factory):
     articles.write_text("".join(json.dumps({"article": f"The harbor opened a new pier in {y}. Boats came."}) + "\n"
                                 for y in (1901, 1957)))
     assert main(["train-mtp", "--model", model, "--out", out, "--num-prompts", "6", "--num-summaries", "4",
-                 "--max-tokens", "24", "--steps", "50", "--lr", "3e-3", "--draft-vocab-size", "64",
-                 "--summary-format", "both", "--eval-dataset", str(articles)]) == 0
+                 "--max-tokens", "24", "--steps", "50", "--lr", "3e-3", "--temperature", "0.9",
+                 "--draft-vocab-size", "64", "--summary-format", "both", "--eval-dataset", str(articles)]) == 0
     return model, out
 
 
@@ -33,6 +33,7 @@ def test_train_mtp_writes_a_head_whose_loss_falls(head):
     assert sorted(os.listdir(out)) == ["loss.png", "mtp.safetensors", "mtp_config.json", "token_counts.safetensors"]
     meta = json.load(open(os.path.join(out, "mtp_config.json")))
     assert meta["architecture"] == "LlamaForCausalLM" and meta["sequences"] == 6 + 4 and meta["steps"] == 50
+    assert meta["temperature"] == 0.9
     assert 0.0 <= meta["heldout_top1_agreement"] <= 1.0 and meta["draft_vocab_size"] == 64
     assert 0.0 <= meta["heldout_top1_agreement_draft_vocab"] <= 1.0
     assert meta["summary_format"] == "both" and meta["eval_dataset"].endswith("news.jsonl")
@@ -137,6 +138,19 @@ def test_a_non_positive_lr_is_refused_before_any_work(tiny_model_dir, tmp_path, 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("temperature", ["0", "-1", "nan", "11"])
+def test_a_bad_temperature_is_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, capsys, temperature):
+    import tokenmill
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("training data generation started")
+    monkeypatch.setattr(tokenmill, "LLM", no_work)
+    out = str(tmp_path / "o")
+    assert main(["train-mtp", "--model", tiny_model_dir, "--out", out, f"--temperature={temperature}"]) == 2
+    assert f"train-mtp: --temperature must be in (0, 10], got {float(temperature)}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_summary_requests_alternate_forms_and_mlperf_ones_decode_past_eos(tiny_model_dir):
     """"both" alternates the chat template's request with MLPerf's prompt; the latter decode exactly max_tokens
     (EOS ignored), as the summarization benchmarks decode."""
@@ -180,3 +194,41 @@ def test_a_missing_or_empty_evaluation_file_fails_before_any_work(tiny_model_dir
                  "--eval-dataset", str(tmp_path / "empty.jsonl")]) == 2
     assert "no articles to evaluate on" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_training_scores_the_head_among_its_draft_vocabulary_only():
+    """With draft_vocab_size N, every step's KL is over the N most frequent tokens' rows of the head (the
+    ones the saved counts make it draft among), both distributions renormalized there; 0 keeps every row."""
+    import torch
+    import torch.nn.functional as F
+    from tokenmill.spec.train_mtp import Sequence, TrainConfig, draft_vocab, train
+
+    class Recorder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+            self.proj = torch.nn.Linear(4, 4)
+            self.seen, self.logits = [], []
+
+        def forward(self, ids_next, hidden, head=None):
+            head = self.head if head is None else head
+            self.seen.append(head.shape[0])
+            logits = F.linear(self.proj(hidden), head)
+            self.logits.append(logits.detach())
+            return logits
+
+    seqs = [Sequence(torch.tensor([1, 1, 2, 1, 3, 1]), torch.randn(6, 4)),
+            Sequence(torch.tensor([2, 1, 2, 5]), torch.randn(4, 4))]
+    vocab = draft_vocab(seqs, 8, 2)
+    assert vocab.tolist() == [1, 2]                                    # 1 x 5, 2 x 3 (3 and 5 once)
+    assert draft_vocab(seqs, 8, 0) is None and draft_vocab(seqs, 8, 8) is None
+    model = Recorder()
+    result = train(model, seqs, TrainConfig(steps=1, lr=1e-3, draft_vocab_size=2, holdout=0.0))
+    assert model.seen[0] == 2                                          # the step's logits: 2 rows
+    step_seq, = [s for s in seqs if len(s.ids) - 1 == model.logits[0].shape[0]]   # one is held out
+    q = F.linear(step_seq.hidden[1:], model.head[vocab]).softmax(-1)
+    expected = F.kl_div(model.logits[0].log_softmax(-1), q, reduction="batchmean").item()
+    assert result.losses[0] == pytest.approx(expected, rel=1e-5)
+    model = Recorder()
+    train(model, seqs, TrainConfig(steps=1, lr=1e-3, draft_vocab_size=0, holdout=0.0))
+    assert model.seen[0] == 8

@@ -19,6 +19,8 @@ def add_train_mtp_parser(sub) -> None:
     p.add_argument("--num-summaries", type=int, default=d.num_summaries,
                    help="second-round sequences: the model summarizing its own first-round texts (0: none)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="the first round's sampling temperature (top-p 0.95)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -44,13 +46,15 @@ def cmd_train_mtp(ns) -> int:
     from tokenmill.spec.train_mtp import (MTPTrainee, TrainConfig, eval_prompts, eval_sequences,
                                           generate_sequences, target_weights, token_counts, train)
     cfg = TrainConfig(num_prompts=ns.num_prompts, num_summaries=ns.num_summaries, max_tokens=ns.max_tokens,
-                      steps=ns.steps, lr=ns.lr, seed=ns.seed, draft_vocab_size=ns.draft_vocab_size,
-                      summary_format=ns.summary_format)
+                      temperature=ns.temperature, steps=ns.steps, lr=ns.lr, seed=ns.seed,
+                      draft_vocab_size=ns.draft_vocab_size, summary_format=ns.summary_format)
     if cfg.steps < 1 or cfg.num_prompts < 1 or cfg.max_tokens < 2 or cfg.num_summaries < 0 or cfg.draft_vocab_size < 0:
         raise ValueError("train-mtp: --steps and --num-prompts must be >= 1, --max-tokens >= 2 and "
                          "--num-summaries and --draft-vocab-size >= 0")
     if not cfg.lr > 0:                     # NaN included
         raise ValueError(f"train-mtp: --lr must be > 0, got {ns.lr}")
+    if not 0 < cfg.temperature <= 10:     # NaN included; greedy text would repeat one answer per prompt
+        raise ValueError(f"train-mtp: --temperature must be in (0, 10], got {ns.temperature}")
     prompts = eval_prompts(ns.eval_dataset) if ns.eval_dataset else None     # bad files fail before the work
     os.makedirs(ns.out, exist_ok=True)
     console, t0 = Console(stderr=True), time.perf_counter()
@@ -64,8 +68,8 @@ def cmd_train_mtp(ns) -> int:
         seqs = generate_sequences(llm, cfg, lambda: progress.advance(task))
         evaluation = eval_sequences(llm, prompts) if prompts else None
         del llm
-        weights = target_weights(source, lambda n: n in ("model.embed_tokens.weight", "lm_head.weight",
-                                                           "model.norm.weight") or n.startswith(f"model.layers.{last}."))
+        wanted = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+        weights = target_weights(source, lambda n: n in wanted or n.startswith(f"model.layers.{last}."))
         model = MTPTrainee(source.hf_config, weights)
         task = progress.add_task("training", total=cfg.steps)
         result = train(model, seqs, cfg, lambda step, loss: progress.update(task, advance=1,
@@ -75,7 +79,8 @@ def cmd_train_mtp(ns) -> int:
     save_file(model.state_for_save(), os.path.join(ns.out, HEAD_FILE))
     save_file({"token_counts": token_counts(seqs, model.head.shape[0])}, os.path.join(ns.out, TOKEN_COUNTS))
     meta = {"architecture": architecture, "target": source.path, "quantization": ns.quantization,
-            "steps": cfg.steps, "sequences": len(seqs), "tokens": result.tokens, "final_loss": result.losses[-1],
+            "steps": cfg.steps, "temperature": cfg.temperature, "sequences": len(seqs), "tokens": result.tokens,
+            "final_loss": result.losses[-1],
             "heldout_top1_agreement": result.accuracy, "draft_vocab_size": cfg.draft_vocab_size,
             "heldout_top1_agreement_draft_vocab": result.draft_vocab_accuracy, "summary_format": cfg.summary_format,
             "eval_dataset": ns.eval_dataset, "eval_top1_agreement": result.eval_accuracy,
