@@ -37,8 +37,8 @@ from tokenmill.selfgen import chat_prompt, instruction_prompts
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # defaults measured at stop 57 on the default model (2 cores): about 13 minutes in all; more text carries
-    # over to articles the head never saw better than more steps on less text
+    # the defaults take about 13 minutes on 2 cores for the default model; more text carries over to articles
+    # the head never saw better than more steps on less text (benchmarks/spec_decode.py measures the head)
     num_prompts: int = 288            # first round: every (kind, topic) pair of selfgen's once
     num_summaries: int = 384          # second round: summaries of first-round texts (0: none)
     max_tokens: int = 200             # generated per prompt

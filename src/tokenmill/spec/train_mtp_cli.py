@@ -53,7 +53,7 @@ def cmd_train_mtp(ns) -> int:
                          "--num-summaries and --draft-vocab-size >= 0")
     if not cfg.lr > 0:                     # NaN included
         raise ValueError(f"train-mtp: --lr must be > 0, got {ns.lr}")
-    if not 0 < cfg.temperature <= 10:     # NaN included; greedy text would repeat one answer per prompt
+    if not 0 < cfg.temperature <= 10:     # NaN included; 0 (greedy) would write one text per distinct prompt
         raise ValueError(f"train-mtp: --temperature must be in (0, 10], got {ns.temperature}")
     prompts = eval_prompts(ns.eval_dataset) if ns.eval_dataset else None     # bad files fail before the work
     os.makedirs(ns.out, exist_ok=True)
