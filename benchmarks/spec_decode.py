@@ -14,6 +14,7 @@ drift of the machine's speed lands on every config alike.
 
     .venv/bin/python benchmarks/spec_decode.py [--runs 3] [--quantization int4] [--skip-offline]
         [--skip-batch1] [--mtp-head DIR]    # also the mtp configs, with a head from `tokenmill train-mtp --out DIR`
+        [--kv-cache-dtype bfloat16]          # every engine's KV cache (default: float32)
         [--mtp-head DIR2 ...]                # several heads in one run: configs named e.g. mtp-k2-fixed@DIR2
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="int4", help="int4, int8, ... or fp32 (the float weights)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--offline-requests", type=int, default=64)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engines' KV cache: auto (float32), bfloat16 or fp8")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true")
     ap.add_argument("--mtp-head", action="append", default=[],
@@ -103,14 +105,16 @@ def main() -> None:
     from tokenmill import LLM
     quantization = None if args.quantization in ("fp32", "none") else args.quantization
     texts = prompts()
-    print(f"default model, {args.quantization or 'fp32'}, {len(texts)} articles, 128 output tokens, "
+    print(f"default model, {args.quantization or 'fp32'}, KV cache {args.kv_cache_dtype}, {len(texts)} articles, "
+          f"128 output tokens, "
           f"medians of {args.runs}; {os.cpu_count()} cores")
     names = args.configs.split(",")
     engines = {}
     for name in names:              # every engine at once: the runs below interleave them (same drift)
         base_name = name.removesuffix("+perop-verify")
         engines[name] = LLM(quantization=quantization, speculative_config=configs[base_name],
-                            enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
+                            enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
+                            kv_cache_dtype=args.kv_cache_dtype)
         program = engines[name].engine.core.runner.fused_decode
         if name != base_name and program is not None:
             program.max_query_len = 1                                  # verify steps take the per-op path
