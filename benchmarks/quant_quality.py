@@ -4,8 +4,9 @@ Perplexity: of a set of documents, exp(total next-token NLL / tokens scored), ea
 its own, through the engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence,
 cache slots 0..T-1, so the LLMs here run with prefix caching off) in two ways, as steps of many rows and
 of few rows run them (different attention code, and for fp32 different GEMMs; int8/int4 run the tile
-kernels on both):
-  prefill: one forward pass of the whole text;
+kernels on both, except where the CPU has AMX tiles: there a prompt chunk's rows run one bfloat16 GEMM,
+quant/tile_kernels.py, and so does the prefill pass here):
+  prefill: one forward pass of the whole text, its rows marked as a prompt chunk's (layers/linear.py);
   decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs
            (--decode-chunk: another size, e.g. 8 for the kernels formats run on steps of a few rows).
 The documents (--text): `test` is tests/quant/data/ppl_text.txt alone (about 700 tokens; the test reads it);
@@ -80,14 +81,18 @@ def forward_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch
     """token_ids [T] -> next-token logits [T, vocab] float32 of one sequence: one prefill, or chunks of
     `chunk` tokens each attending to the cache the earlier chunks wrote."""
     from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+    from tokenmill.layers.linear import PrefillRows, step_prefill_rows
     model = llm.engine.core.runner.model
     n = len(token_ids)
+    prefill = PrefillRows.of(n, list(range(n))) if chunk is None else None   # one pass: a prompt's rows
     chunk = chunk or n
     slots, ids, out = torch.arange(n), torch.tensor(token_ids), []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         meta = AttentionMetadata(slot_mapping=slots[start:end], seqs=[SeqSpan(0, end - start, end, slots[:end])])
-        out.append(model.compute_logits(model(ids[start:end], torch.arange(start, end), meta)))
+        with step_prefill_rows(prefill):
+            hidden = model(ids[start:end], torch.arange(start, end), meta)
+        out.append(model.compute_logits(hidden))
     return torch.cat(out)
 
 

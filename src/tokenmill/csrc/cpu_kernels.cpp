@@ -24,6 +24,7 @@
 #include "moe_kernels.h"
 #include "fp8_attention.h"
 #include "fp8_gemv.h"
+#include "tile_widen.h"
 #include "decode_attention.h"
 
 #include <c10/util/BFloat16.h>
@@ -386,6 +387,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("q"), py::arg("N"));
     m.def("gemv_nvfp4", &gemv_nvfp4, "x @ (e2m1 * e4m3 * row_scale)^T, NVFP4 tiles of 16 rows x 32 inputs (CPU)",
           py::arg("x"), py::arg("q"), py::arg("row_scale"), py::arg("N"));
+#endif
+#ifdef TOKENMILL_TILE_WIDEN   // with the tile kernels; Python checks hasattr(module, "linear_tiles_bf16")
+    m.def("q4_tiles_to_bf16", &q4_tiles_to_bf16, "q4 tiles -> the weight they hold, transposed: [K, N] bfloat16",
+          py::arg("q"), py::arg("N"));
+    m.def("q8_tiles_to_bf16", &q8_tiles_to_bf16, "q8 tiles and row scales -> the weight, transposed: [K, N] bfloat16",
+          py::arg("q"), py::arg("scale"), py::arg("N"));
+    m.def("linear_tiles_bf16", &linear_tiles_bf16, "x @ w^T for q4 / q8 tiles through one bfloat16 GEMM -> float32",
+          py::arg("x"), py::arg("kind"), py::arg("q"), py::arg("scale"), py::arg("N"));
 #endif
 #ifdef TOKENMILL_GREEDY_HEAD   // AVX-512 VNNI builds only; Python checks hasattr(module, "greedy_head")
     m.def("greedy_head", &greedy_head,

@@ -12,6 +12,10 @@ The arithmetic is delegated to a quantization method object (tokenmill.quant): F
 weight for its kernel (layers/quantize.py does it for a whole model)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -20,6 +24,47 @@ from tokenmill.distributed.parallel_state import split_evenly, tensor_parallel
 from tokenmill.quant.base import LoadedFloatMethod, QuantMethod
 
 _AS_LOADED = LoadedFloatMethod()
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """Which rows of the running step are prefill rows (prompt chunks, recomputed tokens): the rest are decode
+    and verify rows. Layers whose method has a prefill kernel run these rows through it (QuantMethod.
+    prefill_kernel) when there are at least its prefill_min_rows of them."""
+    step_rows: int                 # T, the step's rows; a layer given fewer (the last layer's kept rows) runs
+                                   # them all as decode rows
+    index: torch.Tensor | None     # [P] int64, ascending, the prefill rows; None: every row is one
+    others: torch.Tensor | None    # [T - P] int64, ascending, the rest; None when index is None
+
+    @property
+    def count(self) -> int:
+        return self.step_rows if self.index is None else self.index.numel()
+
+    @classmethod
+    def of(cls, step_rows: int, index: list[int]) -> "PrefillRows | None":
+        """From the prefill rows' indices (ascending); None when there are none."""
+        if not index:
+            return None
+        if len(index) == step_rows:
+            return cls(step_rows, None, None)
+        taken = torch.zeros(step_rows, dtype=torch.bool)
+        rows = torch.tensor(index, dtype=torch.long)
+        taken[rows] = True
+        return cls(step_rows, rows, (~taken).nonzero().view(-1))
+
+
+_STEP_PREFILL_ROWS: contextvars.ContextVar = contextvars.ContextVar("tokenmill_prefill_rows", default=None)
+
+
+@contextlib.contextmanager
+def step_prefill_rows(rows: PrefillRows | None):
+    """The running step's prefill rows for every Linear.forward inside (the model runner sets it around
+    the model's forward; None: none, every row runs as a decode row)."""
+    token = _STEP_PREFILL_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _STEP_PREFILL_ROWS.reset(token)
 
 
 class Linear(nn.Module):
@@ -35,6 +80,8 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self)
         self.tile_fn = None                           # x -> y for steps of <= tile_max_rows rows
         self.tile_max_rows = 0
+        self.prefill_fn = None                        # x -> y for a step's prefill rows (PrefillRows), when
+        self.prefill_min_rows = 0                     # it has at least this many of them
         # x -> x rounded as a pre-quantized checkpoint quantizes this layer's input (quant/activations.py),
         # applied before the method; None: the input goes in as it is
         self.input_quant = None
@@ -45,14 +92,32 @@ class Linear(nn.Module):
         self.quant_method = method
         self.tile_fn = method.tile_kernel(self)
         self.tile_max_rows = method.tile_max_rows
+        self.prefill_fn = method.prefill_kernel(self) if self.tile_fn is not None else None
+        self.prefill_min_rows = method.prefill_min_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""
         if self.input_quant is not None:
             x = self.input_quant(x)
+        if self.prefill_fn is not None:
+            rows = _STEP_PREFILL_ROWS.get()
+            if rows is not None and rows.step_rows == x.shape[0] and rows.count >= self.prefill_min_rows:
+                return self._split_rows(x, rows)
+        return self._decode_rows(x)
+
+    def _decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_fn is not None and x.shape[0] <= self.tile_max_rows:
             return self.tile_fn(x)
         return self.quant_method.apply(self, x)
+
+    def _split_rows(self, x: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
+        """The prefill rows through prefill_fn, the others as any step's rows."""
+        if rows.index is None:
+            return self.prefill_fn(x)
+        y = x.new_empty(x.shape[0], self.out_features)
+        y.index_copy_(0, rows.index, self.prefill_fn(x.index_select(0, rows.index)))
+        y.index_copy_(0, rows.others, self._decode_rows(x.index_select(0, rows.others)))
+        return y
 
     def shard_rows(self, shard_id) -> slice:
         """Rows of the weight that checkpoint shard `shard_id` fills; the whole weight by default."""

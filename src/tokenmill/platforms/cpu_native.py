@@ -21,11 +21,12 @@ logger = logging.getLogger("tokenmill")
 CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp", "decode_layer.cpp",
                                                      "greedy_head.cpp", "prefill_attention.cpp",
-                                                     "moe_kernels.cpp", "fp8_attention.cpp", "fp8_gemv.cpp")]
+                                                     "moe_kernels.cpp", "fp8_attention.cpp", "fp8_gemv.cpp",
+                                                     "tile_widen.cpp")]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h",
                                                      "greedy_head.h", "tile_loop.h", "prefill_attention.h",
                                                      "simd_math.h", "moe_kernels.h", "fp8_attention.h",
-                                                     "decode_attention.h", "fp8_gemv.h")]
+                                                     "decode_attention.h", "fp8_gemv.h", "tile_widen.h")]
 
 
 def _cpu_tag() -> str:

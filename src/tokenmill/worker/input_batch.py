@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.core.messages import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, SeqSpan
+from tokenmill.layers.linear import PrefillRows
 
 
 @dataclass
@@ -19,6 +20,7 @@ class StepInputs:
                                    # 1 + d tokens for one carrying d drafts)
     sample_request_idx: list[int]  # index into sched_out.scheduled of each request that samples
     sample_num_rows: list[int] | None = None   # rows of sample_rows per such request; None: 1 each
+    prefill_rows: PrefillRows | None = None    # rows of prompt chunks (not decode or verify rows); host only
 
     def to(self, device: torch.device) -> "StepInputs":
         """The same inputs on `device` (copies queued without a host sync); itself on the CPU, where they
@@ -32,7 +34,7 @@ class StepInputs:
                                  move(m.decode_mask), move(m.decode_lens), move(m.prefill_spans),
                                  move(m.prefill_slots), m.block_size, move(m.block_tables))
         return StepInputs(move(self.input_ids), move(self.positions), meta, move(self.sample_rows),
-                          self.sample_request_idx, self.sample_num_rows)
+                          self.sample_request_idx, self.sample_num_rows, self.prefill_rows)
 
 
 def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs:
@@ -42,9 +44,12 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
     sample_rows: list[int] = []
     sample_idx: list[int] = []
     num_rows: list[int] | None = None            # set once some request carries drafts
+    prefill_rows: list[int] = []                 # rows of requests whose new tokens are a prompt chunk
     for i, sr in enumerate(sched_out.scheduled):
         start, n = sr.start_position, sr.num_new_tokens
         row = len(ids)
+        if n > 1 and not sr.num_draft_tokens:
+            prefill_rows.extend(range(row, row + n))
         ids.extend(sr.token_ids)
         positions.extend(range(start, start + n))
         requests.append((sr.block_ids, start, n))
@@ -58,7 +63,8 @@ def build_step_inputs(sched_out: SchedulerOutput, block_size: int) -> StepInputs
                 num_rows.append(d + 1)
     meta = build_attention_metadata(requests, block_size)
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                      torch.tensor(sample_rows, dtype=torch.long), sample_idx, num_rows)
+                      torch.tensor(sample_rows, dtype=torch.long), sample_idx, num_rows,
+                      PrefillRows.of(len(ids), prefill_rows))
 
 
 def build_attention_metadata(requests: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:

@@ -14,6 +14,7 @@ from tokenmill.core.messages import RunnerOutput, SchedulerOutput
 from tokenmill.core.step_time import PER_OP, DecodeRows
 from tokenmill.distributed.parallel_state import tensor_parallel
 from tokenmill.layers.attention import get_backend
+from tokenmill.layers.linear import step_prefill_rows
 from tokenmill.layers.quantize import load_and_quantize, load_prequantized
 from tokenmill.models.registry import get_model_class
 from tokenmill.platforms import Platform, building
@@ -213,7 +214,8 @@ class ModelRunner:
         inputs = inputs.to(self.device)
         if keep_rows is not None:
             keep_rows = keep_rows.to(self.device, non_blocking=True)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, keep_rows)
+        with step_prefill_rows(inputs.prefill_rows):
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, keep_rows)
 
     def _verify_drafts(self, hidden, scheduled, metas, num_rows: list[int]) -> RunnerOutput:
         """hidden: per request that samples, its last 1 + d rows (d drafts). Requests with drafts get their
