@@ -32,7 +32,9 @@ PHASES = ((1, 32, 6), (4, 32, 6), (16, 32, 6), (24, 16, 6), (1, 512, 2), (1, 128
 MIXED_PHASES = ((4, 16), (12, 16), (24, 16), (12, 48), (24, 8)) * 4
 _MIXED_DECODE = (16, 8)                                # the decoding requests' prompt and output tokens
 WARMUP = (2, 16, 3)
-CACHE_VERSION = 2                                      # 2: the per-step prefill terms
+# 2: the per-step prefill terms; 3: int4 / int8 prompt chunks run one bfloat16 GEMM on AMX CPUs
+# (quant/tile_kernels.py), where version 2's coefficients priced them at the tile kernels' speed
+CACHE_VERSION = 3
 
 
 def cache_root() -> str:
