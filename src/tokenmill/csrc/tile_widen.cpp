@@ -1,8 +1,9 @@
 // Prefill-sized steps of int4 / int8 linear layers through one bfloat16 GEMM: the tile kernels'
 // weights (gemv_kernels.cpp's q4 / q8 tiles) widened to bfloat16 for the call, then oneDNN's GEMM, which
-// runs on AMX tiles where the CPU has them (measured on the project's Sapphire Rapids machines: 1.3x the
-// VNNI tile kernels at 128 rows, 2.3x at 512, 3.5x at 2048, the widening included; slower below about
-// 96 rows, where the tiles stay). Python picks it (quant/tile_kernels.py: prefill rows only).
+// runs on AMX tiles where the CPU has them (measured on the project's Sapphire Rapids machines, the default
+// model's layer shapes: 1.1x the VNNI tile kernels at 128 rows, 2.2x at 512, 3.1x at 2048, the widening
+// included; slower below about 110 rows, where the tiles stay). Python picks it (quant/tile_kernels.py:
+// prompt-chunk rows only).
 //
 //   q4_tiles_to_bf16(q [N/16, K/32, 320] uint8, N) -> wt [K, N] bfloat16,  wt[k, n] = bf16(d[n, g] q4[n, k] + m[n, g])
 //   q8_tiles_to_bf16(q [N/16, K/32, 512] int8, scale [N/16*16] f32, N) -> wt [K, N] bfloat16,
@@ -21,8 +22,6 @@
 #ifdef TOKENMILL_TILE_WIDEN
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-
-#include <cstring>
 
 #include "tile_loop.h"
 
