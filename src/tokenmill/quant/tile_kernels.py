@@ -43,7 +43,8 @@ def bf16_gemm_faster() -> bool:
     widening kernels and the CPU has AMX tiles, which oneDNN's bfloat16 GEMM runs on (measured there only;
     without AMX the VNNI tile kernels stay)."""
     native = kernels()
-    return native is not None and hasattr(native, "linear_tiles_bf16") and torch.cpu._is_amx_tile_supported()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)          # private; absent from older torch
+    return native is not None and hasattr(native, "linear_tiles_bf16") and amx is not None and bool(amx())
 
 
 def bind_bf16(layer, kind: str, tiles: torch.Tensor, scales: torch.Tensor | None):
