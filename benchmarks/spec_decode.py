@@ -106,8 +106,7 @@ def main() -> None:
     quantization = None if args.quantization in ("fp32", "none") else args.quantization
     texts = prompts()
     print(f"default model, {args.quantization or 'fp32'}, KV cache {args.kv_cache_dtype}, {len(texts)} articles, "
-          f"128 output tokens, "
-          f"medians of {args.runs}; {os.cpu_count()} cores")
+          f"128 output tokens, medians of {args.runs}; {os.cpu_count()} cores")
     names = args.configs.split(",")
     engines = {}
     for name in names:              # every engine at once: the runs below interleave them (same drift)

@@ -60,8 +60,8 @@ def test_linear_is_the_bfloat16_product_within_its_rounding(m, n, k):
     (the output's rounding, plus float32 sums in any order)."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, :5] = torch.tensor([1e4, -1e-4, 0.0, 3.0, -7.5])
-    for kind, (tiles, scales, w) in (("q4", (q4_weight(n, k, m)[0], None, q4_weight(n, k, m)[1])),
-                                     ("q8", q8_weight(n, k, m))):
+    q4_tiles, q4_w = q4_weight(n, k, m)
+    for kind, (tiles, scales, w) in (("q4", (q4_tiles, None, q4_w)), ("q8", q8_weight(n, k, m))):
         y = native.linear_tiles_bf16(x, kind, tiles, scales, n)
         xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
         bound = (xb.abs() @ wb.abs().T) * 2.0 ** -8
