@@ -48,8 +48,9 @@ def parse_args() -> argparse.Namespace:
                         "ranks), the CPU threads split between them; +spec: speculation as "
                         "--speculative-config says (slo,slo+spec: with and without, side by side); +bf16kv / "
                         "+fp8kv: a bfloat16 / FP8 KV cache (slo,slo+bf16kv: float32 against bfloat16 KV); "
-                        "fcfs@REV: the server of git revision REV (a worktree under --out-dir), the engine as it "
-                        "stood then (fcfs@e0cc00a: before issue 16's work, whose FCFS scheduler it names)")
+                        "NAME@REV: system NAME as git revision REV's server (a worktree under --out-dir), the engine as "
+                        "it stood then (fcfs@e0cc00a: before issue 16's work, whose FCFS scheduler it names; "
+                        "slo+bf16kv@REV: REV's SLO policy, paired with today's)")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")
     p.add_argument("--dataset", default="synthetic", choices=["synthetic", "cnndm"])
@@ -135,13 +136,17 @@ def revision_tree(rev: str, out_dir: str) -> Path:
 
 
 def revision_system(name: str, rev: str, args, port: int) -> System:
-    """fcfs@REV: `tokenmill serve` from revision REV's source, with the flags every revision takes (older
-    CLIs have no --scheduling-policy: their scheduler is FCFS)."""
-    cmd = TOKENMILL + ["serve", "--port", str(port), "--no-prefix-caching"]
-    if args.quantization != "none":
-        cmd += ["--quantization", args.quantization]
+    """NAME@REV: `tokenmill serve` from revision REV's source. fcfs@REV takes only the flags every revision
+    takes (older CLIs have no --scheduling-policy: their scheduler is FCFS); any other NAME (slo,
+    slo+bf16kv, ...) is built as today's NAME is, so REV must know its flags."""
+    if name == "fcfs":
+        cmd = TOKENMILL + ["serve", "--port", str(port), "--no-prefix-caching"]
+        if args.quantization != "none":
+            cmd += ["--quantization", args.quantization]
+    else:
+        cmd = tokenmill_command(name, args, port)
     env = dict(os.environ, PYTHONPATH=str(revision_tree(rev, args.out_dir) / "src"))
-    return System(f"tokenmill-{name}", cmd, env)
+    return System(f"tokenmill-{name}@{rev}", cmd, env)
 
 
 def cpu_has_amx() -> bool:
@@ -151,33 +156,39 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def tokenmill_command(name: str, args, port: int) -> list[str] | None:
+    """`tokenmill serve` for system NAME (a policy and +extras), or None where NAME is no tokenmill system."""
+    policy, *extras = name.split("+")
+    spec = "spec" in extras
+    caches = [e for e in extras if e in KV_CACHES]
+    layouts = [e for e in extras if e != "spec" and e not in KV_CACHES]
+    layout = layouts[0] if len(layouts) == 1 else "" if not layouts else None
+    if policy not in ("slo", "fcfs") or layout not in PARALLEL_LAYOUTS or len(caches) > 1:
+        return None
+    if spec and not args.speculative_config:
+        sys.exit(f"system {name!r} speculates: give --speculative-config JSON")
+    cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", policy, "--no-prefix-caching"]
+    cmd += PARALLEL_LAYOUTS[layout]
+    if args.quantization != "none":
+        cmd += ["--quantization", args.quantization]
+    if policy == "slo":
+        cmd += ["--slo-profile", args.profile]
+    if spec:
+        cmd += ["--speculative-config", args.speculative_config]
+    if caches:
+        cmd += ["--kv-cache-dtype", KV_CACHES[caches[0]]]
+    return cmd
+
+
 def systems(args, gguf: str, port: int) -> list[System]:
     out = []
     for name in args.systems.split(","):
-        if "@" in name:
-            policy, rev = name.split("@", 1)
-            if policy != "fcfs" or not rev or "+" in rev:
-                sys.exit(f"system {name!r}: a revision's server is fcfs@REV, without +extras")
-            out.append(revision_system(name, rev, args, port))
-            continue
-        policy, *extras = name.split("+")
-        spec = "spec" in extras
-        caches = [e for e in extras if e in KV_CACHES]
-        layouts = [e for e in extras if e != "spec" and e not in KV_CACHES]
-        layout = layouts[0] if len(layouts) == 1 else "" if not layouts else None
-        if spec and not args.speculative_config:
-            sys.exit(f"system {name!r} speculates: give --speculative-config JSON")
-        if policy in ("slo", "fcfs") and layout in PARALLEL_LAYOUTS and len(caches) <= 1:
-            cmd = TOKENMILL + ["serve", "--port", str(port), "--scheduling-policy", policy, "--no-prefix-caching"]
-            cmd += PARALLEL_LAYOUTS[layout]
-            if args.quantization != "none":
-                cmd += ["--quantization", args.quantization]
-            if policy == "slo":
-                cmd += ["--slo-profile", args.profile]
-            if spec:
-                cmd += ["--speculative-config", args.speculative_config]
-            if caches:
-                cmd += ["--kv-cache-dtype", KV_CACHES[caches[0]]]
+        base, at, rev = name.partition("@")
+        if at and (not rev or "+" in rev):
+            sys.exit(f"system {name!r}: a revision's system is NAME@REV, its extras before the @ (slo+bf16kv@REV)")
+        if rev and tokenmill_command(base, args, port) is not None:
+            out.append(revision_system(base, rev, args, port))
+        elif not rev and (cmd := tokenmill_command(name, args, port)) is not None:
             out.append(System(f"tokenmill-{name}", cmd))
         elif name == "llama-server":
             if not os.access(args.llama_server, os.X_OK):
@@ -194,7 +205,7 @@ def systems(args, gguf: str, port: int) -> list[System]:
             out.append(System("llama-server", cmd))
         else:
             sys.exit(f"unknown system {name!r}; expected slo, fcfs (optionally +dp2 or +tp2, +spec, and +bf16kv "
-                     "or +fp8kv), fcfs@REV or llama-server")
+                     "or +fp8kv), any of these @REV (git revision REV's server), or llama-server")
     return out
 
 

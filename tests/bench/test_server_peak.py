@@ -138,7 +138,8 @@ def test_kv_cache_variants_set_the_cache_dtype_and_combine_with_the_others():
 
 def test_a_revision_system_serves_that_revisions_source_with_the_flags_every_revision_takes(tmp_path, monkeypatch):
     """fcfs@REV: `tokenmill serve` with PYTHONPATH at a worktree of REV (made under --out-dir, git's own
-    `worktree add` mocked here), no --scheduling-policy (older CLIs have none); other forms refused by name."""
+    `worktree add` mocked here), no --scheduling-policy (older CLIs have none); slo+bf16kv@REV: today's flags
+    for that system, REV's source; malformed forms refused by name."""
     made = []
 
     def worktree_add(cmd, **kw):
@@ -146,7 +147,7 @@ def test_a_revision_system_serves_that_revisions_source_with_the_flags_every_rev
         (Path(cmd[-2]) / "src" / "tokenmill").mkdir(parents=True)
         return subprocess.CompletedProcess(cmd, 0, "", "")
     monkeypatch.setattr(server_peak.subprocess, "run", worktree_add)
-    args = argparse.Namespace(systems="fcfs@abc1234,slo", quantization="int4", profile="llama3.1-8b",
+    args = argparse.Namespace(systems="fcfs@abc1234,slo,slo+bf16kv@abc1234", quantization="int4", profile="llama3.1-8b",
                               speculative_config=None, llama_server="/nonexistent", llama_slots=16,
                               out_dir=str(tmp_path))
     built = {s.name: s for s in server_peak.systems(args, "model.gguf", 8123)}
@@ -155,9 +156,16 @@ def test_a_revision_system_serves_that_revisions_source_with_the_flags_every_rev
     assert old.env["PYTHONPATH"] == str(tmp_path.resolve() / "tree-abc1234" / "src")
     assert made[0][-3:] == ["--detach", str(tmp_path.resolve() / "tree-abc1234"), "abc1234"]
     assert built["tokenmill-slo"].env is None and "--scheduling-policy" in built["tokenmill-slo"].command
+    paired = built["tokenmill-slo+bf16kv@abc1234"]
+    assert paired.env["PYTHONPATH"] == old.env["PYTHONPATH"]
+    assert paired.command[paired.command.index("--kv-cache-dtype") + 1] == "bfloat16"
+    assert paired.command[paired.command.index("--scheduling-policy") + 1] == "slo"
     server_peak.systems(args, "model.gguf", 8123)
     assert len(made) == 1                                     # the worktree is made once, then reused
-    for bad in ("slo@abc1234", "fcfs@", "fcfs@abc+bf16kv"):
+    for bad in ("fcfs@", "fcfs@abc+bf16kv"):
         args.systems = bad
-        with pytest.raises(SystemExit, match="fcfs@REV, without"):
+        with pytest.raises(SystemExit, match="NAME@REV, its extras before"):
             server_peak.systems(args, "model.gguf", 8123)
+    args.systems = "lifo@abc1234"
+    with pytest.raises(SystemExit, match="unknown system"):
+        server_peak.systems(args, "model.gguf", 8123)
