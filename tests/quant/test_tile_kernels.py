@@ -19,6 +19,19 @@ pytestmark = pytest.mark.skipif(native is None, reason="tile kernels need AVX-51
 SHAPES = [(96, 64), (100, 576), (36, 1536), (2048, 128), (20, 96)]      # N % 16 != 0, K % 64 != 0 included
 
 
+@pytest.fixture(autouse=True)
+def vnni_at_every_size():
+    """These tests check the VNNI kernels' int8 arithmetic: steps of every size run them here (where the AMX
+    path exists it would take the larger steps; tests/quant/test_amx_tiles.py checks that one)."""
+    if native is None or not hasattr(native, "set_amx_min_rows"):
+        yield
+        return
+    saved = native.amx_min_rows()
+    native.set_amx_min_rows(0)
+    yield
+    native.set_amx_min_rows(saved)
+
+
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> float64 s[g] * xi, xi = round(x * (1 / s[g])), s = max |x| / 127 per group of 32, in
     float32 as the kernels compute it (so every xi matches, ties to even included)."""

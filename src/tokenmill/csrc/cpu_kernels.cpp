@@ -24,6 +24,7 @@
 #include "moe_kernels.h"
 #include "fp8_attention.h"
 #include "fp8_gemv.h"
+#include "amx_tiles.h"
 #include "tile_widen.h"
 #include "decode_attention.h"
 
@@ -387,6 +388,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("q"), py::arg("N"));
     m.def("gemv_nvfp4", &gemv_nvfp4, "x @ (e2m1 * e4m3 * row_scale)^T, NVFP4 tiles of 16 rows x 32 inputs (CPU)",
           py::arg("x"), py::arg("q"), py::arg("row_scale"), py::arg("N"));
+#endif
+#ifdef TOKENMILL_AMX_TILES   // AMX-BF16 builds; Python checks hasattr(module, "set_amx_min_rows")
+    m.def("amx_min_rows", &amx_min_rows, "q4 / q8 tile steps of at least this many rows run on AMX (0: never)");
+    m.def("set_amx_min_rows", &set_amx_min_rows, "q4 / q8 tile steps of at least `rows` rows run on AMX (0: never)",
+          py::arg("rows"));
+    m.def("amx_tiles_take", &amx_tiles_take, "whether a q4 / q8 tile step of M rows runs on AMX", py::arg("M"));
 #endif
 #ifdef TOKENMILL_TILE_WIDEN   // with the tile kernels; Python checks hasattr(module, "linear_tiles_bf16")
     m.def("q4_tiles_to_bf16", &q4_tiles_to_bf16, "q4 tiles -> the weight they hold, transposed: [K, N] bfloat16",

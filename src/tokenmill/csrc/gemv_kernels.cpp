@@ -46,6 +46,7 @@
 #include <vector>
 
 #ifdef TOKENMILL_GEMV_KERNELS   // AVX-512 VNNI builds only (gemv_kernels.h)
+#include "amx_tiles.h"
 #include "tile_loop.h"
 
 namespace {
@@ -340,7 +341,9 @@ namespace {
 
 // The shared body of the integer tile kernels: checks, x quantized per group of 32, then y [M, N] filled by
 // row_block(rows, a, m0, rb, y + m0 * N) for every tile of activation rows and block of 16 weight rows.
-template <int TileRows, bool HalfSums = false, class RowBlock>
+// Amx: q4 / q8 tiles, which a step of amx_min_rows() rows or more multiplies on AMX instead (amx_tiles.cpp:
+// bfloat16 activations and weights where the CPU has AMX-BF16).
+template <int TileRows, bool HalfSums = false, bool Amx = false, class RowBlock>
 torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
                         const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N,
                         const RowBlock& row_block) {
@@ -352,6 +355,9 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
   TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
                                    scale->numel() == 16 * blocks),
               name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
+#ifdef TOKENMILL_AMX_TILES
+  if (Amx && amx_tiles_take(M)) return amx_tiles_linear(x, q, scale, N);
+#endif
   const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K, TileRows, HalfSums);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -368,7 +374,7 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
 torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
   const auto* qp = static_cast<const int8_t*>(q.data_ptr());
   const auto* sp = static_cast<const float*>(scale.data_ptr());
-  return int_tiles<tile_loop::kTileRows>("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
+  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q8_row_block<decltype(rows)::value>(a, m0, qp, sp, y, N, rb, N);
                    });
@@ -376,7 +382,7 @@ torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int
 
 torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
-  return int_tiles<tile_loop::kTileRows>("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
+  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q4_row_block<decltype(rows)::value>(a, m0, qp, y, N, rb, N);
                    });

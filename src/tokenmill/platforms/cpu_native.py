@@ -2,8 +2,9 @@
 csrc/cpu_kernels.cpp (paged decode attention, KV cache write, rotary, SwiGLU, RMSNorm),
 csrc/prefill_attention.cpp (causal attention of prefill chunks from the paged cache),
 csrc/gemv_kernels.cpp (tiled float32 / int8 / int4 linear layers), csrc/decode_layer.cpp
-(a decoder layer for small decode steps, chaining those kernels in one call) and csrc/greedy_head.cpp
-(exact greedy tokens from a float32 lm_head without its float32 logits).
+(a decoder layer for small decode steps, chaining those kernels in one call), csrc/greedy_head.cpp
+(exact greedy tokens from a float32 lm_head without its float32 logits) and csrc/amx_tiles.cpp (the int8 /
+int4 tiles' larger steps on AMX, where the CPU has it).
 
 `load()` returns the compiled module, or None when no compiler is available: callers then use the
 pure-torch path, which computes the same attention (to float rounding). The build happens once per
@@ -22,11 +23,12 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("cpu_kernels.cpp", "gemv_kernels.cpp", "decode_layer.cpp",
                                                      "greedy_head.cpp", "prefill_attention.cpp",
                                                      "moe_kernels.cpp", "fp8_attention.cpp", "fp8_gemv.cpp",
-                                                     "tile_widen.cpp")]
+                                                     "tile_widen.cpp", "amx_tiles.cpp")]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.h", "decode_layer.h",
                                                      "greedy_head.h", "tile_loop.h", "prefill_attention.h",
                                                      "simd_math.h", "moe_kernels.h", "fp8_attention.h",
-                                                     "decode_attention.h", "fp8_gemv.h", "tile_widen.h")]
+                                                     "decode_attention.h", "fp8_gemv.h", "tile_widen.h",
+                                                     "amx_tiles.h")]
 
 
 def _cpu_tag() -> str:

@@ -2,11 +2,19 @@
 16 output rows side by side, for float32, int8 and int4 weights.
 
 int8 / int4: integer dot products with AVX-512 VNNI over activations quantized to int8 per group of 32 on
-the fly (llama.cpp's Q8_0 recipe). They run every decode and verify row, whatever the step's number of
-rows: measured 3-4x faster than PyTorch's weight-only kernels (which convert activations to bfloat16) from 1
-to 512 rows, at 430-600 GOP/s against 200-230 GFLOP/s for the float32 GEMM (benchmarks/profile_step.py
-shapes). So a generated token's logits do not depend on what shares its step. PyTorch's kernels (`apply`)
-remain for CPUs without AVX-512 VNNI and for float32-compute reference modes.
+the fly (llama.cpp's Q8_0 recipe): measured 3-4x faster than PyTorch's weight-only kernels (which convert
+activations to bfloat16) from 1 to 512 rows, at 430-600 GOP/s against 200-230 GFLOP/s for the float32 GEMM
+(benchmarks/profile_step.py shapes). PyTorch's kernels (`apply`) remain for CPUs without AVX-512 VNNI and for
+float32-compute reference modes.
+
+Where the build and CPU have AMX-BF16, a step of amx_min_rows() rows or more (32 by default) runs the same
+gemv_q4 / gemv_q8 call on AMX instead (csrc/amx_tiles.cpp): the weights widened to bfloat16 on every call,
+the activations rounded to bfloat16, float32 sums. Measured (benchmarks/amx_tiles.py), the default model's
+shapes alternated with the VNNI kernels: a decoder layer's four linears 1.34x at 32 rows, 1.57x at 64, 1.70x
+at 128; its int8 lm_head 1.04x / 1.18x / 1.24x; 0.5x at 8 rows, even at 16-24 (the widening is a fixed cost). Such a step's logits differ
+from a smaller step's by the two paths' roundings (bfloat16 here, int8 activations there; both within about
+1% of the float32 product), so on those CPUs a token depends on whether its step had that many rows.
+TOKENMILL_AMX_MIN_ROWS=N moves the threshold (0: the VNNI kernels at every size).
 
 Prefill rows of a step with many of them (layers/linear.py PrefillRows) run int8 / int4 through one bfloat16
 GEMM instead where the CPU has AMX tiles (bind_bf16): oneDNN's AMX GEMM outruns the VNNI tiles from about 110
@@ -21,6 +29,7 @@ arithmetic on both (only the summation order differs).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -31,10 +40,37 @@ FLOAT32_MAX_ROWS = 128         # float32 steps above this run oneDNN (prefill ch
 ANY_ROWS = sys.maxsize
 
 
+AMX_MIN_ROWS_ENV = "TOKENMILL_AMX_MIN_ROWS"
+
+
 def kernels():
     """The native module if it has the tile kernels (AVX-512 VNNI builds), else None."""
     native = cpu_native.load()
-    return native if native is not None and hasattr(native, "gemv_q4") else None
+    if native is None or not hasattr(native, "gemv_q4"):
+        return None
+    _configure_amx(native)
+    return native
+
+
+@functools.cache
+def _configure_amx(native) -> None:
+    """Apply TOKENMILL_AMX_MIN_ROWS (once per process) to a build with the AMX path."""
+    value = os.environ.get(AMX_MIN_ROWS_ENV)
+    if value is None or not hasattr(native, "set_amx_min_rows"):
+        return
+    try:
+        rows = int(value)
+        if rows < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{AMX_MIN_ROWS_ENV} must be an integer >= 0 (0: never use AMX), got {value!r}") from None
+    native.set_amx_min_rows(rows)
+
+
+def amx_min_rows() -> int:
+    """The fewest rows of an int8 / int4 tile step that run on AMX; 0 where none does (no AMX-BF16 build)."""
+    native = kernels()
+    return native.amx_min_rows() if native is not None and hasattr(native, "amx_min_rows") else 0
 
 
 @functools.cache
