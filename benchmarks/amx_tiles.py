@@ -50,7 +50,8 @@ def main() -> None:
     head, head_scales = pack_q8_tiles(torch.randint(-127, 128, HEAD, dtype=torch.int8), torch.rand(HEAD[0]) * 1e-3)
     saved = native.amx_min_rows()
     print(f"{torch.get_num_threads()} threads; ms per call, medians of {args.rounds} alternated rounds")
-    print("| rows | layer VNNI | layer AMX | ratio | lm_head VNNI | lm_head AMX | ratio |\n|---|---|---|---|---|---|---|")
+    print("| rows | layer VNNI | layer AMX | ratio | lm_head VNNI | lm_head AMX | ratio |")
+    print("|---|---|---|---|---|---|---|")
     try:
         for m in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(m, LAYER[i][1]) for i in range(len(LAYER))]

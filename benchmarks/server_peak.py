@@ -48,8 +48,8 @@ def parse_args() -> argparse.Namespace:
                         "ranks), the CPU threads split between them; +spec: speculation as "
                         "--speculative-config says (slo,slo+spec: with and without, side by side); +bf16kv / "
                         "+fp8kv: a bfloat16 / FP8 KV cache (slo,slo+bf16kv: float32 against bfloat16 KV); "
-                        "NAME@REV: system NAME as git revision REV's server (a worktree under --out-dir), the engine as "
-                        "it stood then (fcfs@e0cc00a: before issue 16's work, whose FCFS scheduler it names; "
+                        "NAME@REV: system NAME as git revision REV's server (a worktree under --out-dir), the engine "
+                        "as it stood then (fcfs@e0cc00a: before issue 16's work, whose FCFS scheduler it names; "
                         "slo+bf16kv@REV: REV's SLO policy, paired with today's)")
     p.add_argument("--profile", default="llama3.1-8b", choices=["llama3.1-8b", "llama3.1-8b-interactive"])
     p.add_argument("--quantization", default="int4", help="tokenmill's quantization ('none': float32)")

@@ -7,14 +7,14 @@ activations to bfloat16) from 1 to 512 rows, at 430-600 GOP/s against 200-230 GF
 (benchmarks/profile_step.py shapes). PyTorch's kernels (`apply`) remain for CPUs without AVX-512 VNNI and for
 float32-compute reference modes.
 
-Where the build and CPU have AMX-BF16, a step of amx_min_rows() rows or more (32 by default) runs the same
-gemv_q4 / gemv_q8 call on AMX instead (csrc/amx_tiles.cpp): the weights widened to bfloat16 on every call,
-the activations rounded to bfloat16, float32 sums. Measured (benchmarks/amx_tiles.py), the default model's
-shapes alternated with the VNNI kernels: a decoder layer's four linears 1.34x at 32 rows, 1.57x at 64, 1.70x
-at 128; its int8 lm_head 1.04x / 1.18x / 1.24x; 0.5x at 8 rows, even at 16-24 (the widening is a fixed cost). Such a step's logits differ
-from a smaller step's by the two paths' roundings (bfloat16 here, int8 activations there; both within about
-1% of the float32 product), so on those CPUs a token depends on whether its step had that many rows.
-TOKENMILL_AMX_MIN_ROWS=N moves the threshold (0: the VNNI kernels at every size).
+Where the build and CPU have AMX-BF16, a step of 32 rows or more (the native amx_min_rows()) runs the same
+gemv_q4 / gemv_q8 call on AMX instead (csrc/amx_tiles.cpp): the weights widened to bfloat16 on every call, the
+activations rounded to bfloat16, float32 sums. Measured (benchmarks/amx_tiles.py), the default model's shapes
+alternated with the VNNI kernels: a decoder layer's four linears 1.34x at 32 rows, 1.57x at 64, 1.70x at 128;
+its int8 lm_head 1.04x / 1.18x / 1.24x; 0.5x at 8 rows, even at 16-24 (the widening is a fixed cost). Such a
+step's logits differ from a smaller step's by the two paths' roundings (bfloat16 here, int8 activations there;
+both within about 1% of the float32 product), so on those CPUs a token depends on whether its step had that
+many rows. TOKENMILL_AMX_MIN_ROWS=N moves the threshold (0: the VNNI kernels at every size).
 
 Prefill rows of a step with many of them (layers/linear.py PrefillRows) run int8 / int4 through one bfloat16
 GEMM instead where the CPU has AMX tiles (bind_bf16): oneDNN's AMX GEMM outruns the VNNI tiles from about 110
@@ -65,12 +65,6 @@ def _configure_amx(native) -> None:
     except ValueError:
         raise ValueError(f"{AMX_MIN_ROWS_ENV} must be an integer >= 0 (0: never use AMX), got {value!r}") from None
     native.set_amx_min_rows(rows)
-
-
-def amx_min_rows() -> int:
-    """The fewest rows of an int8 / int4 tile step that run on AMX; 0 where none does (no AMX-BF16 build)."""
-    native = kernels()
-    return native.amx_min_rows() if native is not None and hasattr(native, "amx_min_rows") else 0
 
 
 @functools.cache
