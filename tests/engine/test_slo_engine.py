@@ -140,3 +140,22 @@ def test_calibration_with_speculation_runs_plain_steps_and_leaves_the_counters_a
     assert core.proposer is not None and core.scheduler.num_lookahead_tokens == 3     # restored
     llm.generate(["a b c"] * 2, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
     assert core.scheduler.spec_stats.num_drafts > 0                   # and speculation is back for traffic
+
+
+def test_the_step_trace_records_each_observed_period(tiny_model_dir, tmp_path, monkeypatch):
+    """TOKENMILL_STEP_TRACE=FILE: one JSON line per step period the step-time model observes, with the model's
+    prediction beside it; a file that cannot be opened is named in the error."""
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TOKENMILL_STEP_TRACE", str(trace))
+    llm = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)
+    llm.generate(["one two three", "four"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    observed = llm.engine.step_time_model()["observations"]
+    llm.engine.shutdown()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == observed >= 5
+    assert lines[0]["prefill_tokens"] > 0 and lines[-1]["decode_rows"] >= 1
+    assert all(x["seconds"] > 0 and x["predicted"] >= 0 and x["running"] >= 0 for x in lines)
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+    monkeypatch.setenv("TOKENMILL_STEP_TRACE", str(tmp_path / "missing" / "steps.jsonl"))
+    with pytest.raises(ValueError, match="TOKENMILL_STEP_TRACE=.*cannot open"):
+        LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)

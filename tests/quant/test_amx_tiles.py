@@ -93,3 +93,21 @@ def test_the_environment_threshold_is_checked(monkeypatch):
         monkeypatch.setenv(tile_kernels.AMX_MIN_ROWS_ENV, bad)
         with pytest.raises(ValueError, match="TOKENMILL_AMX_MIN_ROWS must be an integer >= 0"):
             tile_kernels._configure_amx.__wrapped__(Fake())
+
+
+@needs_amx
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_prompt_chunks_stay_on_the_amx_tiles_up_to_the_larger_threshold(method, min_rows):
+    """Where the AMX tiles take a step of prefill_min_rows rows, a layer runs prompt chunks through the bfloat16
+    GEMM only from amx_prefill_min_rows; with the AMX path off, from prefill_min_rows as before."""
+    from tests.quant.test_tile_widen import quantized_linear
+    from tokenmill.layers.linear import PrefillRows, step_prefill_rows
+    from tokenmill.quant.base import QuantMethod
+    native.set_amx_min_rows(32)
+    layer = quantized_linear(method)
+    assert layer.prefill_fn is not None and layer.prefill_min_rows == QuantMethod.amx_prefill_min_rows > 128
+    x = torch.randn(200, 128, generator=torch.Generator().manual_seed(7))
+    with step_prefill_rows(PrefillRows.of(200, list(range(8, 200)))):       # 192 prompt rows beside 8 decode
+        assert torch.equal(layer(x), layer.tile_fn(x))                      # one tile call, on AMX
+    native.set_amx_min_rows(0)
+    assert quantized_linear(method).prefill_min_rows == QuantMethod.prefill_min_rows == 128

@@ -33,8 +33,9 @@ MIXED_PHASES = ((4, 16), (12, 16), (24, 16), (12, 48), (24, 8)) * 4
 _MIXED_DECODE = (16, 8)                                # the decoding requests' prompt and output tokens
 WARMUP = (2, 16, 3)
 # 2: the per-step prefill terms; 3: int4 / int8 prompt chunks run one bfloat16 GEMM on AMX CPUs
-# (quant/tile_kernels.py), where version 2's coefficients priced them at the tile kernels' speed
-CACHE_VERSION = 3
+# (quant/tile_kernels.py), where version 2's coefficients priced them at the tile kernels' speed; 4: with the
+# AMX tile kernels, prompt chunks under 1,280 rows stay on them (QuantMethod.prefill_rows_from)
+CACHE_VERSION = 4
 
 
 def cache_root() -> str:

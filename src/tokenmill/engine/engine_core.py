@@ -21,6 +21,7 @@ from tokenmill.core.request import FinishReason, Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.spec_stats import SpecDecodeStats
 from tokenmill.core.step_time import StepFeatures, StepTimeModel
+from tokenmill.engine.step_trace import StepTrace
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.platforms import Platform, resolve_platform
 from tokenmill.sample.rejection import speculation_applies
@@ -88,6 +89,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, weights, platform: Platform | None = None) -> None:
         """Loads the model on `platform` (default: config.device's), then sizes the KV pool in the memory
         left (unless config.cache.num_blocks fixes it); self.config has the pool's size."""
+        self.step_trace = StepTrace.from_env()         # None unless TOKENMILL_STEP_TRACE names a file
         self.platform = platform or resolve_platform(config.device)
         self.executor = make_executor(config, weights, self.platform)
         self.runner = self.executor.runner             # the in-process ModelRunner (uni executor), else None
@@ -124,6 +126,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the executor's workers (if any); idempotent."""
         self.executor.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
+            self.step_trace = None
 
     def replace_step_model(self, model: StepTimeModel) -> None:
         """Use `model` from now on, its features as this engine's platform computes them."""
@@ -192,6 +197,9 @@ class EngineCore:
             self._observe_period(period, now - period.start)
 
     def _observe_period(self, period: OpenPeriod, seconds: float) -> None:
+        if self.step_trace is not None:
+            self.step_trace.record(period.features, seconds, self.step_model.predict(period.features),
+                                   len(self.scheduler.running), len(self.scheduler.waiting))
         self.step_model.observe(period.features, seconds)
         s = period.speculation
         if s is not None and self.draft_length is not None:

@@ -30,7 +30,7 @@ _AS_LOADED = LoadedFloatMethod()
 class PrefillRows:
     """Which rows of the running step are prefill rows (prompt chunks, recomputed tokens): the rest are decode
     and verify rows. Layers whose method has a prefill kernel run these rows through it (QuantMethod.
-    prefill_kernel) when there are at least its prefill_min_rows of them."""
+    prefill_kernel) when there are at least its prefill_rows_from() of them."""
     step_rows: int                 # T, the step's rows; a layer given fewer (the last layer's kept rows) runs
                                    # them all as decode rows
     index: torch.Tensor | None     # [P] int64, ascending, the prefill rows; None: every row is one
@@ -93,7 +93,7 @@ class Linear(nn.Module):
         self.tile_fn = method.tile_kernel(self)
         self.tile_max_rows = method.tile_max_rows
         self.prefill_fn = method.prefill_kernel(self) if self.tile_fn is not None else None
-        self.prefill_min_rows = method.prefill_min_rows
+        self.prefill_min_rows = method.prefill_rows_from()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]."""

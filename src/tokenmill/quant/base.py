@@ -38,6 +38,12 @@ class QuantMethod:
     # overtake the VNNI tile kernels at about 110 rows (1.1x at 128, 1.7x at 256, 3.1x at 2048; the
     # default model's four layer shapes, 2 threads, the widening included).
     prefill_min_rows: int = 128
+    # ... where the AMX tile kernels (csrc/amx_tiles.cpp) take steps of prefill_min_rows rows instead: they
+    # keep every row of a step in one call (no split), and outrun the GEMM up to about 1,280 prefill rows
+    # (measured, default model, int4, 2 threads: a 128-token prompt beside 40 decode rows 70-79 ms against
+    # 126-134 with the split; prompts alone: 512 tokens 136 / 158 ms, 1,024 227 / 252; the GEMM ahead from
+    # 1,536, 324 / 352 ms, and 2,048, 459 / 532)
+    amx_prefill_min_rows: int = 1280
 
     def method_for(self, prefix: str) -> str | None:
         """Name of the method the layer named `prefix` should use instead of this one; None: this one."""
@@ -86,6 +92,15 @@ class QuantMethod:
         if found is None or found[0] not in ("q4", "q8") or not tile_kernels.bf16_gemm_faster():
             return None
         return tile_kernels.bind_bf16(layer, *found)
+
+    def prefill_rows_from(self) -> int:
+        """The fewest prefill rows a step must have for them to run prefill_kernel's function (read once, when a
+        layer takes this method): amx_prefill_min_rows where the AMX tile kernels take a step of
+        prefill_min_rows rows (TOKENMILL_AMX_MIN_ROWS), else prefill_min_rows."""
+        from tokenmill.quant import tile_kernels
+        if tile_kernels.amx_tiles_take(self.prefill_min_rows):
+            return max(self.amx_prefill_min_rows, self.prefill_min_rows)
+        return self.prefill_min_rows
 
     def large_kernel(self, layer: nn.Module) -> tuple[str, torch.Tensor] | None:
         """(kind, weight) of the kernel `apply` runs for steps above tile_max_rows, for csrc/decode_layer.h's

@@ -18,8 +18,9 @@ many rows. TOKENMILL_AMX_MIN_ROWS=N moves the threshold (0: the VNNI kernels at 
 
 Prefill rows of a step with many of them (layers/linear.py PrefillRows) run int8 / int4 through one bfloat16
 GEMM instead where the CPU has AMX tiles (bind_bf16): oneDNN's AMX GEMM outruns the VNNI tiles from about 110
-rows (3.1x at 2048) even with the weight widened on every call. A prompt's keys and values then depend on
-whether its chunk's step had that many prefill rows (both ways within about 0.5% of the float32 product).
+rows (3.1x at 2048) even with the weight widened on every call, and the AMX tile kernels only from about 1,280
+(QuantMethod.prefill_rows_from). A prompt's keys and values then depend on whether its chunk's step had that
+many prefill rows (both ways within about 0.5% of the float32 product).
 
 float32: a tiled GEMM with one FMA per 16 weights; faster than oneDNN where a step reads each weight
 for few rows (decode: 1.5-3x at batch 1, 5-10% on the attention projections at 32-64 rows), equal at
@@ -65,6 +66,13 @@ def _configure_amx(native) -> None:
     except ValueError:
         raise ValueError(f"{AMX_MIN_ROWS_ENV} must be an integer >= 0 (0: never use AMX), got {value!r}") from None
     native.set_amx_min_rows(rows)
+
+
+def amx_tiles_take(rows: int) -> bool:
+    """Whether an int4 / int8 tile step of `rows` rows runs on AMX now (csrc/amx_tiles.cpp: built, permitted by
+    the OS, at or above amx_min_rows)."""
+    native = kernels()
+    return native is not None and hasattr(native, "amx_tiles_take") and bool(native.amx_tiles_take(rows))
 
 
 @functools.cache
