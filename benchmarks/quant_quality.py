@@ -4,8 +4,8 @@ Perplexity: of a set of documents, exp(total next-token NLL / tokens scored), ea
 its own, through the engine's model (`llm.engine.core.runner.model` on hand-built metadata: one sequence,
 cache slots 0..T-1, so the LLMs here run with prefix caching off) in two ways, as steps of many rows and
 of few rows run them (different attention code, and for fp32 different GEMMs; int8/int4 run the tile
-kernels on both, except where the CPU has AMX tiles: there a prompt chunk's rows run one bfloat16 GEMM,
-quant/tile_kernels.py, and so does the prefill pass here):
+kernels on both; where the CPU has AMX tiles, steps of 32 rows or more take them in bfloat16, and a prompt
+chunk of 1,280 rows or more runs one bfloat16 GEMM, quant/tile_kernels.py, as does a longer prefill pass here):
   prefill: one forward pass of the whole text, its rows marked as a prompt chunk's (layers/linear.py);
   decode:  the text in chunks of DECODE_CHUNK tokens over the KV cache, as decode at batch 16 runs
            (--decode-chunk: another size, e.g. 8 for the kernels formats run on steps of a few rows).
