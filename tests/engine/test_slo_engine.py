@@ -154,8 +154,24 @@ def test_the_step_trace_records_each_observed_period(tiny_model_dir, tmp_path, m
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(lines) == observed >= 5
     assert lines[0]["prefill_tokens"] > 0 and lines[-1]["decode_rows"] >= 1
-    assert all(x["seconds"] > 0 and x["predicted"] >= 0 and x["running"] >= 0 for x in lines)
+    assert all(x["seconds"] > 0 and x["predicted"] >= 0 and x["running"] >= 0 and x["pid"] > 0 for x in lines)
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
     monkeypatch.setenv("TOKENMILL_STEP_TRACE", str(tmp_path / "missing" / "steps.jsonl"))
     with pytest.raises(ValueError, match="TOKENMILL_STEP_TRACE=.*cannot open"):
         LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20)
+
+
+def test_the_calibration_cache_key_tells_kv_cache_dtypes_and_amx_thresholds_apart(tiny_model_dir, monkeypatch):
+    """Both change what a step runs (the attention's bytes; which kernel takes a step of 32+ rows, and from how many
+    prompt rows the bfloat16 GEMM does), so a prior measured under one is not reused under the other."""
+    import dataclasses
+
+    import torch
+
+    from tokenmill.quant import tile_kernels
+    config = LLM(tiny_model_dir, kv_cache_memory_bytes=8 << 20).engine.config
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, kv_cache_dtype=torch.bfloat16))
+    assert calibration.cache_key(bf16) != calibration.cache_key(config)
+    key, threshold = calibration.cache_key(config), tile_kernels.amx_threshold()
+    monkeypatch.setattr(tile_kernels, "amx_threshold", lambda: threshold + 16)      # another TOKENMILL_AMX_MIN_ROWS
+    assert calibration.cache_key(config) != key

@@ -57,6 +57,8 @@ def _cpu_name() -> str:
 def cache_key(config) -> str:
     """Machine + model + the settings that change what a step runs."""
     import torch
+
+    from tokenmill.quant import tile_kernels
     path = config.model_path
     stat = os.stat(path) if os.path.isfile(path) else None
     facts = {"version": CACHE_VERSION, "cpu": _cpu_name(), "cores": os.cpu_count(),
@@ -64,7 +66,8 @@ def cache_key(config) -> str:
              "model_size": stat.st_size if stat else None, "model_mtime": stat.st_mtime if stat else None,
              "dtype": str(config.model.dtype), "quantization": config.quantization,
              "device": config.device, "attention": config.attention_backend, "native_decode": config.native_decode_layers,
-             "greedy_screen": config.greedy_screen, "block_size": config.cache.block_size}
+             "greedy_screen": config.greedy_screen, "block_size": config.cache.block_size,
+             "kv_cache_dtype": str(config.model.kv_cache_dtype), "amx_min_rows": tile_kernels.amx_threshold()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -2,8 +2,11 @@
 observed step period to FILE (the step-time model's observation, beside what the model predicted for it
 just before):
 
-    {"t": s since the trace opened, "seconds": the period (s), "predicted": the model's step time (s),
-     "decode_rows": .., "prefill_tokens": .., "context_reads": .., "running": .., "waiting": ..}
+    {"t": s since the trace opened, "pid": the engine core's process, "seconds": the period (s),
+     "predicted": the model's step time (s), "decode_rows": .., "prefill_tokens": .., "context_reads": ..,
+     "running": .., "waiting": ..}
+
+Data-parallel replicas each append to the same FILE (one short write per line); "pid" tells them apart.
 
 Off (no file, no cost beyond one None check a step) when the variable is unset or empty. Lines are
 flushed as written, so a trace survives a server that is killed.
@@ -27,6 +30,7 @@ class StepTrace:
         except OSError as e:
             raise ValueError(f"{ENV_VAR}={path!r}: cannot open it for appending ({e.strerror})") from e
         self._t0 = time.perf_counter()
+        self._pid = os.getpid()
 
     @classmethod
     def from_env(cls) -> "StepTrace | None":
@@ -34,8 +38,8 @@ class StepTrace:
         return cls(path) if path else None
 
     def record(self, features: StepFeatures, seconds: float, predicted: float, running: int, waiting: int) -> None:
-        line = {"t": round(time.perf_counter() - self._t0, 6), "seconds": seconds, "predicted": predicted,
-                "decode_rows": features.decode_rows, "prefill_tokens": features.prefill_tokens,
+        line = {"t": round(time.perf_counter() - self._t0, 6), "pid": self._pid, "seconds": seconds,
+                "predicted": predicted, "decode_rows": features.decode_rows, "prefill_tokens": features.prefill_tokens,
                 "context_reads": features.context_reads, "running": running, "waiting": waiting}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()

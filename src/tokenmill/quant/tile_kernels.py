@@ -68,6 +68,16 @@ def _configure_amx(native) -> None:
     native.set_amx_min_rows(rows)
 
 
+def amx_threshold() -> int:
+    """The fewest rows of an int4 / int8 tile step that run on AMX now; 0 where none does (no AMX build, no OS
+    permission, or TOKENMILL_AMX_MIN_ROWS=0)."""
+    native = kernels()
+    if native is None or not hasattr(native, "amx_min_rows"):
+        return 0
+    rows = native.amx_min_rows()
+    return rows if amx_tiles_take(rows) else 0
+
+
 def amx_tiles_take(rows: int) -> bool:
     """Whether an int4 / int8 tile step of `rows` rows runs on AMX now (csrc/amx_tiles.cpp: built, permitted by
     the OS, at or above amx_min_rows)."""
