@@ -295,7 +295,12 @@ def peak_figures(report: dict) -> dict:
             "peak_failed_confirmations": summary.get("failed_confirmations", []),
             "server_tps": run.get("completed_tokens_per_s"), "ttft_p99": run.get("ttft_ms", {}).get("p99"),
             "tpot_p99": run.get("tpot_ms", {}).get("p99"),
-            "bound_tps": (summary.get("step_time_bound") or {}).get("tokens_per_s")}
+            "bound_tps": (summary.get("step_time_bound") or {}).get("tokens_per_s"), "ceiling": ceiling(summary)}
+
+
+def ceiling(summary: dict) -> float | None:
+    """The bound's queueing ceiling (bench/queueing.py), a share of the bound, where the report has one."""
+    return ((summary.get("step_time_bound") or {}).get("queueing_ceiling") or {}).get("utilization")
 
 
 def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
@@ -315,7 +320,8 @@ def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
         row = {"qps": target, "tps": m.get("completed_tokens_per_s"), "ttft_p99": m.get("ttft_ms", {}).get("p99"),
                "tpot_p99": m.get("tpot_ms", {}).get("p99"), "queries": m.get("num_issued"),
                "failed": m.get("num_failed"), "verdict": verdict.get("label"),
-               "bound_tps": (report["summary"].get("step_time_bound") or {}).get("tokens_per_s")}
+               "bound_tps": (report["summary"].get("step_time_bound") or {}).get("tokens_per_s"),
+               "ceiling": ceiling(report["summary"])}
         runs.append(row)
         print(f"    hold {target:.3f} QPS for {args.confirm_duration_s:g} s: {row}", file=sys.stderr, flush=True)
         if verdict.get("label") == "VALID":
@@ -326,7 +332,8 @@ def hold_peak(args, url: str, stem: str, qps: float | None) -> dict:
         target = min(target * args.confirm_backoff, 0.95 * served_qps)
     return {"held_qps": held and held["qps"], "held_tps": held and held["tps"],
             "held_ttft_p99": held and held["ttft_p99"], "held_tpot_p99": held and held["tpot_p99"],
-            "held_bound_tps": held and held["bound_tps"], "held_runs": runs}
+            "held_bound_tps": held and held["bound_tps"], "held_ceiling": held and held["ceiling"],
+            "held_runs": runs}
 
 
 def fmt(v, d=1) -> str:
@@ -336,9 +343,9 @@ def fmt(v, d=1) -> str:
 # The figures of a table's rows: the search's peak run, or the run that held for --confirm-duration-s (a held
 # run is VALID, so it needs no confirmation flag).
 PEAK_KEYS = {"qps": "peak_qps", "confirmed": "peak_confirmed", "tps": "server_tps", "ttft": "ttft_p99",
-             "tpot": "tpot_p99", "bound": "bound_tps"}
+             "tpot": "tpot_p99", "bound": "bound_tps", "ceiling": "ceiling"}
 HELD_KEYS = {"qps": "held_qps", "tps": "held_tps", "ttft": "held_ttft_p99", "tpot": "held_tpot_p99",
-             "bound": "held_bound_tps"}
+             "bound": "held_bound_tps", "ceiling": "held_ceiling"}
 
 
 def median_round(values: list) -> int:
@@ -373,13 +380,15 @@ def qps_cell(row: dict) -> str:
 
 def print_table(rows: dict, best: float | None, what: str, with_offline: bool) -> None:
     """One row per system: its QPS (`what`: peak or held) and the round it comes from, Server tok/s against
-    the best Offline and the step-time bound, p99s, and its QPS as a ratio of each other system's."""
+    the best Offline and the step-time bound, p99s, the bound's queueing ceiling (the share of it a batch
+    capped at the bound serves within the TTFT limit under Poisson arrivals: bench/queueing.py), and its QPS as
+    a ratio of each other system's."""
     names = list(rows)
     counted = "rounds with a peak" if what == "peak" else "rounds that held"
     print(f"| system | {'Offline tok/s | ' if with_offline else ''}{what} QPS | from round | {counted} | "
           "Server tok/s | Server/best Offline | p99 TTFT ms | p99 TPOT ms | bound tok/s | Server/bound | "
-          + " | ".join(f"{what} vs {n}" for n in names) + " |")
-    print("|" + "---|" * (10 + with_offline + len(names)))
+          "queueing ceiling | " + " | ".join(f"{what} vs {n}" for n in names) + " |")
+    print("|" + "---|" * (11 + with_offline + len(names)))
     for n, system in rows.items():
         m = system[what]
         qps, tps, bound = m["qps"], m["tps"], m["bound"]
@@ -390,7 +399,7 @@ def print_table(rows: dict, best: float | None, what: str, with_offline: bool) -
         print(f"| {n} | {fmt(system['offline_tps']) + ' | ' if with_offline else ''}{qps_cell(m)} | {m['round']} | "
               f"{m['rounds_with_qps']} of {m['rounds']} | {fmt(tps)} | {fmt(ratio and 100 * ratio)}% | "
               f"{fmt(m['ttft'], 0)} | {fmt(m['tpot'], 1)} | {fmt(bound)} | {fmt(to_bound and 100 * to_bound)}% | "
-              + " | ".join(vs) + " |")
+              f"{fmt(m.get('ceiling') and 100 * m['ceiling'])}% | " + " | ".join(vs) + " |")
     if any(system[what].get("confirmed") is False for system in rows.values()):
         print("\n* not confirmed: the search's best passing run (every confirming run missed the limits, or "
               "none was left to confirm it), an optimistic figure")

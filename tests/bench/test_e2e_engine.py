@@ -25,4 +25,7 @@ def test_inprocess_server_and_offline_on_default_model(tmp_path):
     assert data["summary"]["server_offline_ratio"] > 0
     bound = data["summary"]["step_time_bound"]          # from the engine's step-time model after the run
     assert bound["tokens_per_s"] > 0 and bound["fraction_reached"] > 0
-    assert "Step-time bound" in (tmp_path / "server.md").read_text()
+    assert 0.0 <= bound["queueing_ceiling"]["utilization"] <= 1.0     # at the profile's 2 s TTFT limit
+    assert bound["queueing_ceiling"]["ttft_limit_ms"] == 2000.0
+    report = (tmp_path / "server.md").read_text()
+    assert "Step-time bound" in report and "Queueing ceiling" in report

@@ -92,7 +92,7 @@ async def _run(job: MainJobConfig, cfg: BenchConfig):
 def _headline(job: MainJobConfig, cfg: BenchConfig, offline, peak) -> tuple[list[str], dict]:
     server = peak.peak
     ratio_lines, ratio = ratio_section(server, offline)
-    bound = step_time_bound(server, cfg.profile.tpot_limit_ms)
+    bound = step_time_bound(server, cfg.profile.tpot_limit_ms, cfg.profile.ttft_limit_ms)
     ratio_lines += bound_section(bound)
     lines = ["## Summary", "",
              f"- Model: the default model, in-process, scheduling policy {job.scheduling_policy}; synthetic prompts "
