@@ -80,10 +80,15 @@ def test_the_ceiling_is_where_the_median_run_meets_the_limit():
 
 
 def test_a_limit_no_load_meets_gives_zero_and_a_bound_without_rows_or_limit_none():
+    """No load meets a 10 ms TTFT: 0. No TTFT limit, no whole row, rows that cost nothing (an infinite
+    bound), or a bound too fast to simulate: no ceiling."""
     bound = server_bound(StepTimeModel(prior=CPU_COSTS), 128, 128, 0.1)
     assert utilization_ceiling(CPU_COSTS, 48, 128, 128, 3.0, ttft_limit_s=0.01, duration_s=60.0, runs=3) == 0.0
     assert bound_ceiling(CPU_COSTS, bound, None) is None
     assert bound_ceiling(CPU_COSTS, {**bound, "rows": 0.5}, 2000.0) is None
+    free_rows = server_bound(StepTimeModel(prior={"intercept": 0.01}), 128, 128, 0.1)    # rows cost nothing
+    assert free_rows["rows"] == float("inf") and bound_ceiling({"intercept": 0.01}, free_rows, 2000.0) is None
+    assert bound_ceiling(CPU_COSTS, {**bound, "tokens_per_s": 1e8}, 2000.0) is None        # too many to simulate
 
 
 @pytest.mark.parametrize("kw", [{"rows": 0}, {"bound_rate": 0.0}, {"ttft_limit_s": -1.0}, {"runs": 0}])

@@ -107,16 +107,24 @@ def utilization_ceiling(coefficients: dict, rows: int, prompt_len: int, output_l
     return low
 
 
+MAX_ARRIVALS = 200_000      # a run's expected arrivals past which no ceiling is simulated (a run costs about
+                            # a microsecond of Python per step and arrival)
+
+
 def bound_ceiling(coefficients: dict, bound: dict, ttft_limit_ms: float | None, replicas: int = 1,
                   duration_s: float = 600.0) -> dict | None:
     """The queueing ceiling of one replica's step-time bound (server_bound's dict: rows, tokens_per_s,
-    prompt_len, output_len): None without a TTFT limit or a whole row. Replicas reached by random routing
-    each see a Poisson share of the arrivals, so one replica's ceiling is theirs together."""
-    rows = int(math.floor(bound["rows"]))
-    if not ttft_limit_ms or rows < 1 or not bound["tokens_per_s"] > 0:
+    prompt_len, output_len): None without a TTFT limit, a whole finite number of rows, or with more than
+    MAX_ARRIVALS a run at the bound (a model that prices rows at nearly nothing). Replicas reached by random
+    routing each see a Poisson share of the arrivals, so one replica's ceiling is theirs together."""
+    if not ttft_limit_ms or not math.isfinite(bound["rows"]) or not bound["rows"] >= 1 \
+            or not math.isfinite(bound["tokens_per_s"]) or not bound["tokens_per_s"] > 0:
         return None
+    rows = int(bound["rows"])
     prompt_len, output_len = round(bound["prompt_len"]), max(round(bound["output_len"]), 1)
     rate = bound["tokens_per_s"] / output_len                 # requests/s at the bound
+    if rate * duration_s > MAX_ARRIVALS:
+        return None
     ceiling = utilization_ceiling(coefficients, rows, prompt_len, output_len, rate, ttft_limit_ms / 1e3,
                                   duration_s)
     return {"utilization": ceiling, "rows": rows, "replicas": replicas, "ttft_limit_ms": ttft_limit_ms,
