@@ -25,6 +25,7 @@ from collections import deque
 
 import numpy as np
 
+from tokenmill.bench.scenarios import ServerScenario
 from tokenmill.core.step_time import FEATURE_NAMES
 
 
@@ -37,13 +38,11 @@ def step_seconds(coefficients: dict, decode_rows: int, prefill_tokens: int, cont
             + c[5] * (prefill if decode_rows > 0 else 0.0))
 
 
-def poisson_arrivals(rate: float, duration_s: float, seed: int) -> np.ndarray:
-    """Arrival times in [0, duration_s) at `rate` per second. The same seed draws the same standard
-    exponential gaps at every rate (scaled by 1 / rate), so runs at two rates differ only in their pace."""
-    expected = rate * duration_s
-    gaps = np.random.default_rng(seed).standard_exponential(int(expected + 10 * math.sqrt(expected) + 10)) / rate
-    arrivals = np.cumsum(gaps)
-    return arrivals[arrivals < duration_s]
+def server_arrivals(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    """The arrival times (s) of the bench's own Server scenario (ServerScenario: Poisson, seeded, until
+    duration_s) at `rate` per second. The same seed draws the same exponential gaps at every rate, scaled by
+    1 / rate, so runs at two rates differ only in their pace."""
+    return np.array(ServerScenario(rate, duration_s, 0, seed=seed).arrival_times())
 
 
 def capped_fcfs_ttfts(coefficients: dict, rows: int, prompt_len: int, output_len: int, arrivals: np.ndarray,
@@ -93,7 +92,7 @@ def utilization_ceiling(coefficients: dict, rows: int, prompt_len: int, output_l
     def passes(rho: float) -> bool:
         tails = []
         for seed in range(runs):
-            arrivals = poisson_arrivals(rho * bound_rate, duration_s, seed)
+            arrivals = server_arrivals(rho * bound_rate, duration_s, seed)
             ttft = capped_fcfs_ttfts(coefficients, rows, prompt_len, output_len, arrivals)
             tails.append(float(np.quantile(ttft, quantile, method="inverted_cdf")) if ttft.size else 0.0)
         return float(np.median(tails)) <= ttft_limit_s
