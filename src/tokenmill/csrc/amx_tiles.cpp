@@ -221,15 +221,15 @@ bool amx_tiles_take(int64_t M) {
   return least > 0 && M >= least && amx_permitted();
 }
 
-torch::Tensor amx_tiles_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor* scale,
-                               int64_t N) {
+at::Tensor amx_tiles_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor* scale,
+                            int64_t N) {
   const bool q8 = scale != nullptr;
   const int64_t tile_bytes = q8 ? 512 : 320;
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, blocks = q.size(0), Mp = (M + 15) / 16 * 16;
   static thread_local std::vector<uint16_t> a_store;
   uint16_t* xb = aligned64(a_store, Mp * K);
   to_bf16_rows(x.data_ptr<float>(), x.stride(0), M, Mp, K, xb);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = q8 ? scale->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();

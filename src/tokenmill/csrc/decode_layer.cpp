@@ -28,8 +28,8 @@ namespace {
 
 // oneDNN's linear over a reordered weight, the op UnquantizedMethod.apply calls from Python
 // (mkldnn::_linear_pointwise, registered by PyTorch: called through the dispatcher, boxed).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
@@ -40,8 +40,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
-DecodeLinear::DecodeLinear(std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                           c10::optional<torch::Tensor> bias, int64_t out_features, int64_t small_rows,
+DecodeLinear::DecodeLinear(std::string kind, at::Tensor weight, c10::optional<at::Tensor> scales,
+                           c10::optional<at::Tensor> bias, int64_t out_features, int64_t small_rows,
                            LargeLinear large)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
       small_rows_(small_rows), large_(std::move(large)) {
@@ -84,7 +84,7 @@ int64_t DecodeLinear::max_rows() const {
   return large_.kind.empty() ? small_rows_ : std::numeric_limits<int64_t>::max();
 }
 
-torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
+at::Tensor DecodeLinear::large(const at::Tensor& x) const {
   TORCH_CHECK(!large_.kind.empty(), "DecodeLinear: ", x.size(0), " rows but no kernel for more than ",
               small_rows_);
 #ifdef TOKENMILL_MOE_KERNELS
@@ -93,16 +93,16 @@ torch::Tensor DecodeLinear::large(const torch::Tensor& x) const {
 #endif
 #ifdef TOKENMILL_FP8_BF16
   if (large_.kind == "fp8_bf16") {                          // the same in FP8's fast mode
-    torch::Tensor y = fp8_linear_bf16(x.contiguous(), weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
+    at::Tensor y = fp8_linear_bf16(x.contiguous(), weight_.select(0, 0), scales_->select(0, 0), fp8_kblock());
     return bias_.has_value() ? y.add_(*bias_) : y;
   }
 #endif
   return onednn_linear(x, large_.weight, bias_);
 }
 
-torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
+at::Tensor DecodeLinear::operator()(const at::Tensor& x) const {
   if (x.size(0) > small_rows_) return large(x);
-  torch::Tensor y;
+  at::Tensor y;
 #ifdef TOKENMILL_GEMV_KERNELS
   if (kind_ == "f32") {
     y = gemv_f32(x, weight_, n_);
@@ -112,7 +112,7 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
     y = gemv_nvfp4(x, weight_, *scales_, n_);
   } else if (kind_ == "fp8") {
 #ifdef TOKENMILL_MOE_KERNELS
-    const torch::Tensor one_run = torch::tensor({int64_t(0), x.size(0)}, torch::kInt64);
+    const at::Tensor one_run = at::tensor({int64_t(0), x.size(0)}, at::kLong);
     y = moe_grouped_gemm(x.contiguous(), one_run, weight_, scales_, fp8_kblock(), c10::nullopt);
 #endif
   } else if (kind_ == "fp8_bf16") {
@@ -131,18 +131,18 @@ torch::Tensor DecodeLinear::operator()(const torch::Tensor& x) const {
   return y;
 }
 
-DecodeLayer::DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
+DecodeLayer::DecodeLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, DecodeLinear qkv,
                          DecodeLinear o_proj, DecodeLinear gate_up, DecodeLinear down, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double scale, torch::Tensor k_cache,
-                         torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale,
-                         c10::optional<torch::Tensor> v_scale)
+                         int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor k_cache,
+                         at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
+                         c10::optional<at::Tensor> v_scale)
     : input_norm_(input_norm), post_norm_(post_norm), eps_(eps), qkv_(std::move(qkv)), o_proj_(std::move(o_proj)),
       gate_up_(std::move(gate_up)), down_(std::move(down)), heads_(num_heads), kv_heads_(num_kv_heads),
       head_dim_(head_dim), scale_(scale), k_cache_(k_cache), v_cache_(v_cache), k_scale_(k_scale),
       v_scale_(v_scale) {
   const bool fp8 = k_cache_.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 == k_scale_.has_value() && fp8 == v_scale_.has_value() &&
-                  (fp8 || k_cache_.scalar_type() == torch::kFloat32 || k_cache_.scalar_type() == torch::kBFloat16),
+                  (fp8 || k_cache_.scalar_type() == at::kFloat || k_cache_.scalar_type() == at::kBFloat16),
               "DecodeLayer: a float32 or bfloat16 cache takes no scales, an FP8 (float8_e4m3fn) cache needs k and v "
               "scales");
 }
@@ -151,9 +151,9 @@ int64_t DecodeLayer::max_rows() const {
   return std::min({qkv_.max_rows(), o_proj_.max_rows(), gate_up_.max_rows(), down_.max_rows()});
 }
 
-std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                              const DecodeStep& step) const {
-  torch::Tensor h;
+std::tuple<at::Tensor, at::Tensor> DecodeLayer::forward(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                        const DecodeStep& step) const {
+  at::Tensor h;
   if (residual.has_value()) {
     h = rms_norm(x, residual, input_norm_, eps_);          // residual += x, in place
   } else {
@@ -161,22 +161,22 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::forward(torch::Tensor x, c
     residual = x;
   }
   const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-  const torch::Tensor qkv = qkv_(h);                        // [T, q_size + 2 kv_size]
-  torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
-  torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
-  torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
+  const at::Tensor qkv = qkv_(h);                        // [T, q_size + 2 kv_size]
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
   rotary_inplace(q, step.cos, step.sin);
   rotary_inplace(k, step.cos, step.sin);
-  torch::Tensor attn;
+  at::Tensor attn;
   if (k_scale_.has_value()) {                               // FP8 cache: as fp8_kv.write_fp8_cache stores it
     write_kv_cache_fp8(k, v, k_cache_, v_cache_, step.slot_mapping, *k_scale_, *v_scale_);
-    attn = paged_decode_attention_fp8(q.contiguous(), k_cache_.view(torch::kUInt8), v_cache_.view(torch::kUInt8),
+    attn = paged_decode_attention_fp8(q.contiguous(), k_cache_.view(at::kByte), v_cache_.view(at::kByte),
                                       step.decode_slots, step.decode_lens, scale_, *k_scale_, *v_scale_);
   } else {                                                  // float32 or bfloat16 cache
     write_kv_cache(k, v, k_cache_, v_cache_, step.slot_mapping);
     attn = paged_decode_attention(q.contiguous(), k_cache_, v_cache_, step.decode_slots, step.decode_lens, scale_);
   }
   attn = attn.view({T, q_size});
-  const torch::Tensor h2 = rms_norm(o_proj_(attn), residual, post_norm_, eps_);
+  const at::Tensor h2 = rms_norm(o_proj_(attn), residual, post_norm_, eps_);
   return {down_(silu_and_mul(gate_up_(h2))), *residual};
 }

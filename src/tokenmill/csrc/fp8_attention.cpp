@@ -91,17 +91,17 @@ void attend_fp8(const float* q, const uint8_t* k_head, const uint8_t* v_head, co
 
 }  // namespace
 
-torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor slots, torch::Tensor lens, double scale,
-                                         torch::Tensor k_scale, torch::Tensor v_scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kUInt8 &&
-                  v_cache.scalar_type() == torch::kUInt8, "paged_decode_attention_fp8: float32 q, uint8 caches");
-  TORCH_CHECK(k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32,
+at::Tensor paged_decode_attention_fp8(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor slots, at::Tensor lens, double scale,
+                                      at::Tensor k_scale, at::Tensor v_scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kByte &&
+                  v_cache.scalar_type() == at::kByte, "paged_decode_attention_fp8: float32 q, uint8 caches");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat,
               "paged_decode_attention_fp8: float32 scales");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   lens.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous(),
               "paged_decode_attention_fp8: contiguous inputs");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
               "paged_decode_attention_fp8: slots and lens must be int64, got ", slots.scalar_type(), " and ",
               lens.scalar_type());
   decode_attention::check_decode_args("paged_decode_attention_fp8", q, k_cache, v_cache, slots, lens, 0);
@@ -110,7 +110,7 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(k_scale.numel() == KV && v_scale.numel() == KV, "paged_decode_attention_fp8: k_scale and v_scale "
               "must be float32 [", KV, "] (one per kv head), got ", k_scale.sizes(), " and ", v_scale.sizes());
   const int64_t G = H / KV;
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const uint8_t* kp = k_cache.data_ptr<uint8_t>();
   const uint8_t* vp = v_cache.data_ptr<uint8_t>();
@@ -179,24 +179,24 @@ inline void encode_row(const float* x, int64_t D, float scale, uint8_t* dst) {
   for (; d < D; ++d) dst[d] = encode_e4m3(x[d], scale);
 }
 
-void check_fp8_write_args(const torch::Tensor& x, const torch::Tensor& cache, const torch::Tensor& scale,
-                          const torch::Tensor& slots) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+void check_fp8_write_args(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scale,
+                          const at::Tensor& slots) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
               "write_kv_cache_fp8: keys and values must be float32 [T, KV, D] with D contiguous");
   TORCH_CHECK(cache.element_size() == 1 && cache.dim() == 3 && cache.is_contiguous() &&
                   cache.size(0) == x.size(1) && cache.size(2) == x.size(2),
               "write_kv_cache_fp8: caches must be contiguous one-byte [KV, S, D] matching the keys");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == x.size(1),
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == x.size(1),
               "write_kv_cache_fp8: scales must be float32 [KV]");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == x.size(0),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
               "write_kv_cache_fp8: slots must be int64 [T]");
 }
 
 }  // namespace
 
-void write_kv_cache_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-                        const torch::Tensor& slot_mapping, const torch::Tensor& k_scale,
-                        const torch::Tensor& v_scale) {
+void write_kv_cache_fp8(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                        const at::Tensor& v_scale) {
   check_fp8_write_args(k, k_cache, k_scale, slot_mapping);
   check_fp8_write_args(v, v_cache, v_scale, slot_mapping);
   TORCH_CHECK(v.sizes() == k.sizes(), "write_kv_cache_fp8: v must have k's sizes ", k.sizes(), ", got ", v.sizes());

@@ -129,7 +129,7 @@ void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t
 // The kernels' common contract: checks (named by `name`), x prepared by Arith::prepare, the threads over
 // blocks of output rows, passes of up to Arith::kMaxPass rows of x.
 template <class Arith>
-torch::Tensor run(const char* name, torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+at::Tensor run(const char* name, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock) {
   TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
                   codes.size(1) % 8 == 0,
               name, ": codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ",
@@ -139,14 +139,14 @@ torch::Tensor run(const char* name, torch::Tensor x, torch::Tensor codes, torch:
   TORCH_CHECK(kblock == K || kblock % kChunk == 0, name, ": kblock must be K (", K, ") or a multiple of 64, got ",
               kblock);
   const int64_t KB = (K + kblock - 1) / kblock;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * KB,
               name, ": scales must be contiguous float32 [N, K / kblock] = [", N, ", ", KB, "], got ",
               scales.scalar_type(), " ", scales.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
               name, ": x must be float32 [T, ", K, "], got ", x.scalar_type(), " ", x.sizes());
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t T = x.size(0);
-  auto y = torch::empty({T, N}, x.options());
+  auto y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   PreparedX px{std::vector<uint16_t>(T * ((K + kChunk - 1) / kChunk * kChunk)), std::vector<float>(T),
                (K + kChunk - 1) / kChunk * kChunk};
@@ -236,7 +236,7 @@ struct Bf16Arith {
 
 }  // namespace
 
-torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+at::Tensor fp8_gemv_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock) {
   return run<Bf16Arith>("fp8_gemv_bf16", x, codes, scales, kblock);
 }
 #endif
@@ -308,7 +308,7 @@ struct F16Arith {
 
 }  // namespace
 
-torch::Tensor fp8_gemv_f16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+at::Tensor fp8_gemv_f16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock) {
   return run<F16Arith>("fp8_gemv_f16", x, codes, scales, kblock);
 }
 #endif

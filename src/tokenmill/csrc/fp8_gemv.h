@@ -1,6 +1,6 @@
 // FP8's fast mode for decode steps (a few rows) on AVX-512 FP16 or BF16 CPUs (fp8_gemv.cpp).
 #pragma once
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
     defined(__AVX512BF16__)
@@ -13,7 +13,7 @@
 // up to float32 summation order: the activations' rounding (relative 2^-9 an input) is the only loss, the
 // same as fp8_linear_bf16's, whose oneDNN GEMM runs the steps of many rows. Rows of x share each decoded
 // weight vector (up to 16 at a time), so the decode is paid once per weight per 16 rows.
-torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock);
+at::Tensor fp8_gemv_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock);
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512FP16__)
@@ -28,5 +28,5 @@ torch::Tensor fp8_gemv_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor 
 // vdpbf16ps, and fp16 FMAs run 2 a cycle. Rows of x share each decoded weight vector 8 at a time. The float32
 // totals hold the scaled x's products (under 3,584 |scale| K), so block scales must stay under about 1e32 at
 // K = 576 (checkpoint scales are amax / 448).
-torch::Tensor fp8_gemv_f16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock);
+at::Tensor fp8_gemv_f16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock);
 #endif

@@ -314,13 +314,13 @@ void f32_tile(const float* x, int64_t ldx, int64_t m0, const float* tiles, int64
 
 }  // namespace
 
-torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, int64_t N) {
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 &&
+at::Tensor gemv_f32(at::Tensor x, at::Tensor w, int64_t N) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 3 && w.is_contiguous() && w.size(2) == 16 &&
                   w.size(0) == (N + 15) / 16, "gemv_f32: weight must be contiguous float32 [", (N + 15) / 16,
               ", K, 16] tiles, got ", w.sizes());
   const int64_t K = w.size(1), M = x.size(0), blocks = w.size(0);
   check_x(x, K, "gemv_f32");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -344,22 +344,22 @@ namespace {
 // Amx: q4 / q8 tiles, which a step of amx_min_rows() rows or more multiplies on AMX instead (amx_tiles.cpp:
 // bfloat16 activations and weights where the CPU has AMX-BF16).
 template <int TileRows, bool HalfSums = false, bool Amx = false, class RowBlock>
-torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::Tensor& q, c10::ScalarType dtype,
-                        const char* dtype_name, int64_t tile_bytes, const torch::Tensor* scale, int64_t N,
-                        const RowBlock& row_block) {
+at::Tensor int_tiles(const char* name, const at::Tensor& x, const at::Tensor& q, c10::ScalarType dtype,
+                     const char* dtype_name, int64_t tile_bytes, const at::Tensor* scale, int64_t N,
+                     const RowBlock& row_block) {
   TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 3 && q.is_contiguous() && q.size(2) == tile_bytes &&
                   q.size(0) == (N + 15) / 16, name, ": weight must be contiguous ", dtype_name, " [",
               (N + 15) / 16, ", K/32, ", tile_bytes, "] tiles, got ", q.sizes());
   const int64_t K = 32 * q.size(1), M = x.size(0), blocks = q.size(0);
   check_x(x, K, name);
-  TORCH_CHECK(scale == nullptr || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+  TORCH_CHECK(scale == nullptr || (scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
                                    scale->numel() == 16 * blocks),
               name, ": scale must be contiguous float32 [", 16 * blocks, "] (zero-padded to 16 rows)");
 #ifdef TOKENMILL_AMX_TILES
   if (Amx && amx_tiles_take(M)) return amx_tiles_linear(x, q, scale, N);
 #endif
   const QuantizedRows a(x.data_ptr<float>(), x.stride(0), M, K, TileRows, HalfSums);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   parallel_over_rows(blocks, q.numel(), [&](int64_t b0, int64_t b1) {
     for_tiles<TileRows>(M, b0, b1, q.size(1) * tile_bytes, [&](auto rows, int64_t m0, int64_t rb) {
@@ -371,27 +371,27 @@ torch::Tensor int_tiles(const char* name, const torch::Tensor& x, const torch::T
 
 }  // namespace
 
-torch::Tensor gemv_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t N) {
+at::Tensor gemv_q8(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t N) {
   const auto* qp = static_cast<const int8_t*>(q.data_ptr());
   const auto* sp = static_cast<const float*>(scale.data_ptr());
-  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q8", x, q, torch::kInt8, "int8", 512, &scale, N,
+  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q8", x, q, at::kChar, "int8", 512, &scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q8_row_block<decltype(rows)::value>(a, m0, qp, sp, y, N, rb, N);
                    });
 }
 
-torch::Tensor gemv_q4(torch::Tensor x, torch::Tensor q, int64_t N) {
+at::Tensor gemv_q4(at::Tensor x, at::Tensor q, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
-  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q4", x, q, torch::kUInt8, "uint8", 320, nullptr, N,
+  return int_tiles<tile_loop::kTileRows, false, true>("gemv_q4", x, q, at::kByte, "uint8", 320, nullptr, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      q4_row_block<decltype(rows)::value>(a, m0, qp, y, N, rb, N);
                    });
 }
 
-torch::Tensor gemv_nvfp4(torch::Tensor x, torch::Tensor q, torch::Tensor row_scale, int64_t N) {
+at::Tensor gemv_nvfp4(at::Tensor x, at::Tensor q, at::Tensor row_scale, int64_t N) {
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const auto* rp = static_cast<const float*>(row_scale.data_ptr());
-  return int_tiles<kNVFP4Rows, true>("gemv_nvfp4", x, q, torch::kUInt8, "uint8", 288, &row_scale, N,
+  return int_tiles<kNVFP4Rows, true>("gemv_nvfp4", x, q, at::kByte, "uint8", 288, &row_scale, N,
                    [&](auto rows, const QuantizedRows& a, int64_t m0, int64_t rb, float* y) {
                      nvfp4_row_block<decltype(rows)::value>(a, m0, qp, rp, y, N, rb, N);
                    });

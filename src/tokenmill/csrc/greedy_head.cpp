@@ -222,30 +222,30 @@ RowResult pick(const float* y, const float* x, const ScreenRows& rows, int64_t m
 
 int64_t greedy_head_outliers() { return kOutliers; }
 
-std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor q8_tiles, torch::Tensor scales,
-                                                     torch::Tensor qsums, torch::Tensor f32_tiles, torch::Tensor norms,
-                                                     torch::Tensor err_norms, double norm_max, int64_t N,
-                                                     torch::Tensor banned, torch::Tensor workspace) {
+std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor q8_tiles, at::Tensor scales,
+                                               at::Tensor qsums, at::Tensor f32_tiles, at::Tensor norms,
+                                               at::Tensor err_norms, double norm_max, int64_t N,
+                                               at::Tensor banned, at::Tensor workspace) {
   const int64_t blocks = (N + 15) / 16;
-  TORCH_CHECK(f32_tiles.scalar_type() == torch::kFloat32 && f32_tiles.dim() == 3 && f32_tiles.is_contiguous() &&
+  TORCH_CHECK(f32_tiles.scalar_type() == at::kFloat && f32_tiles.dim() == 3 && f32_tiles.is_contiguous() &&
                   f32_tiles.size(0) == blocks && f32_tiles.size(2) == 16,
               "greedy_head: f32_tiles must be contiguous float32 [", blocks, ", K, 16], got ", f32_tiles.sizes());
   const int64_t K = f32_tiles.size(1), K4 = (K + 3) / 4, M = x.size(0);
   TORCH_CHECK(K <= 65536, "greedy_head: at most 65536 inputs (int32 dot products), got ", K);
-  TORCH_CHECK(q8_tiles.scalar_type() == torch::kInt8 && q8_tiles.is_contiguous() &&
-                  q8_tiles.sizes() == torch::IntArrayRef({blocks, K4, 64}),
+  TORCH_CHECK(q8_tiles.scalar_type() == at::kChar && q8_tiles.is_contiguous() &&
+                  q8_tiles.sizes() == at::IntArrayRef({blocks, K4, 64}),
               "greedy_head: q8_tiles must be contiguous int8 [", blocks, ", ", K4, ", 64], got ", q8_tiles.sizes());
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == 16 * blocks &&
-                  qsums.scalar_type() == torch::kInt32 && qsums.is_contiguous() && qsums.numel() == 16 * blocks,
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == 16 * blocks &&
+                  qsums.scalar_type() == at::kInt && qsums.is_contiguous() && qsums.numel() == 16 * blocks,
               "greedy_head: scales float32 and qsums int32, contiguous [", 16 * blocks, "]");
   tile_loop::check_x(x, K, "greedy_head");
-  TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == N &&
-                  err_norms.scalar_type() == torch::kFloat32 && err_norms.is_contiguous() && err_norms.numel() == N,
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == N &&
+                  err_norms.scalar_type() == at::kFloat && err_norms.is_contiguous() && err_norms.numel() == N,
               "greedy_head: norms and err_norms must be contiguous float32 [", N, "]");
-  TORCH_CHECK(banned.scalar_type() == torch::kInt64 && banned.dim() == 2 && banned.size(0) == M &&
+  TORCH_CHECK(banned.scalar_type() == at::kLong && banned.dim() == 2 && banned.size(0) == M &&
                   banned.is_contiguous(), "greedy_head: banned must be contiguous int64 [", M, ", B], got ",
               banned.sizes());
-  TORCH_CHECK(workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() && workspace.numel() >= M * N,
+  TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && workspace.numel() >= M * N,
               "greedy_head: workspace must be contiguous float32 with at least ", M * N, " elements");
   const float* xf = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -265,7 +265,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
       });
     });
   });
-  auto tokens = torch::empty({M}, torch::kInt64), counts = torch::empty({M}, torch::kInt64);
+  auto tokens = at::empty({M}, at::kLong), counts = at::empty({M}, at::kLong);
   int64_t* tp = tokens.data_ptr<int64_t>();
   int64_t* cp = counts.data_ptr<int64_t>();
   const int64_t* bp = banned.data_ptr<int64_t>();

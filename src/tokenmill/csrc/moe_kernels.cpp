@@ -386,12 +386,12 @@ void grouped(const float* x, const int64_t* starts, const W* w, const RowScales&
 
 }  // namespace
 
-torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch::Tensor w,
-                               c10::optional<torch::Tensor> scale, int64_t kblock,
-                               c10::optional<torch::Tensor> row_scale) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+at::Tensor moe_grouped_gemm(at::Tensor x, at::Tensor run_starts, at::Tensor w,
+                            c10::optional<at::Tensor> scale, int64_t kblock,
+                            c10::optional<at::Tensor> row_scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "moe_grouped_gemm: x must be contiguous float32 [R, K], got ", x.sizes());
-  const bool fp4 = w.scalar_type() == torch::kUInt8;          // packed E2M1 pairs: [E, N, K / 2]
+  const bool fp4 = w.scalar_type() == at::kByte;          // packed E2M1 pairs: [E, N, K / 2]
   const int64_t per = fp4 ? 2 : 1;
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(2) * per == x.size(1) && x.size(1) % 8 == 0,
               "moe_grouped_gemm: w must be contiguous [E, N, K] (uint8 FP4 pairs: [E, N, K / 2]) with K = x's "
@@ -400,7 +400,7 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
   if (kblock <= 0) kblock = K;
   TORCH_CHECK(kblock % 8 == 0 || kblock == K, "moe_grouped_gemm: kblock must be a multiple of 8");
   const int64_t KB = (K + kblock - 1) / kblock;
-  TORCH_CHECK(run_starts.scalar_type() == torch::kInt64 && run_starts.numel() == E + 1 &&
+  TORCH_CHECK(run_starts.scalar_type() == at::kLong && run_starts.numel() == E + 1 &&
                   run_starts.is_contiguous(),
               "moe_grouped_gemm: run_starts must be int64 [E + 1]");
   const int64_t* starts = run_starts.data_ptr<int64_t>();
@@ -409,28 +409,28 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(starts[e] <= starts[e + 1], "moe_grouped_gemm: run_starts must be non-decreasing, got run_starts[", e,
                 "] = ", starts[e], " > run_starts[", e + 1, "] = ", starts[e + 1]);
-  auto y = torch::empty({R, N}, x.options());
+  auto y = at::empty({R, N}, x.options());
   RowScales scales;
   scales.KB = KB;
-  TORCH_CHECK(w.scalar_type() != torch::kFloat32 || (!scale.has_value() && !row_scale.has_value()),
+  TORCH_CHECK(w.scalar_type() != at::kFloat || (!scale.has_value() && !row_scale.has_value()),
               "moe_grouped_gemm: float32 weights take no scale or row_scale (they would be ignored), got a ",
               scale.has_value() ? "scale" : "row_scale");
-  if (w.scalar_type() != torch::kFloat32) {
+  if (w.scalar_type() != at::kFloat) {
     TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->numel() == E * N * KB,
                 "moe_grouped_gemm: int8 / FP8 / FP4 weights need scales [E, N, K / kblock]");
     if (scale->scalar_type() == at::kFloat8_e4m3fn) {          // NVFP4's E4M3 block scales x a row scale
-      TORCH_CHECK(fp4 && row_scale.has_value() && row_scale->scalar_type() == torch::kFloat32 &&
+      TORCH_CHECK(fp4 && row_scale.has_value() && row_scale->scalar_type() == at::kFloat &&
                       row_scale->is_contiguous() && row_scale->numel() == E * N,
                   "moe_grouped_gemm: E4M3 block scales (FP4 weights only) need float32 row_scale [E, N]");
       scales.e4m3 = reinterpret_cast<const uint8_t*>(scale->data_ptr());
       scales.row = row_scale->data_ptr<float>();
     } else {
-      TORCH_CHECK(scale->scalar_type() == torch::kFloat32, "moe_grouped_gemm: scales must be float32, or E4M3 "
+      TORCH_CHECK(scale->scalar_type() == at::kFloat, "moe_grouped_gemm: scales must be float32, or E4M3 "
                   "(float8_e4m3fn) with a row_scale for FP4 weights");
       scales.f32 = scale->data_ptr<float>();
     }
   }
-  if (w.scalar_type() == torch::kInt8) {
+  if (w.scalar_type() == at::kChar) {
     grouped(x.data_ptr<float>(), starts, w.data_ptr<int8_t>(), scales, y.data_ptr<float>(), E, N, K, kblock);
   } else if (fp4) {
     grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp4*>(w.data_ptr()), scales, y.data_ptr<float>(), E,
@@ -439,13 +439,13 @@ torch::Tensor moe_grouped_gemm(torch::Tensor x, torch::Tensor run_starts, torch:
     grouped(x.data_ptr<float>(), starts, reinterpret_cast<const Fp8*>(w.data_ptr()), scales, y.data_ptr<float>(), E,
             N, K, kblock);
   } else {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "moe_grouped_gemm: weights must be float32, int8, float8_e4m3fn or uint8 (FP4 pairs)");
+    TORCH_CHECK(w.scalar_type() == at::kFloat, "moe_grouped_gemm: weights must be float32, int8, float8_e4m3fn or uint8 (FP4 pairs)");
     grouped(x.data_ptr<float>(), starts, w.data_ptr<float>(), RowScales{}, y.data_ptr<float>(), E, N, K, kblock);
   }
   return y;
 }
 
-torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+at::Tensor fp8_dequantize(at::Tensor codes, at::Tensor scales, int64_t kblock) {
   TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
                   codes.size(1) % 8 == 0,
               "fp8_dequantize: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ", codes.sizes());
@@ -453,9 +453,9 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t 
   if (kblock <= 0) kblock = K;
   TORCH_CHECK(kblock == K || kblock % 8 == 0, "fp8_dequantize: kblock must be K or a multiple of 8");
   const int64_t KB = (K + kblock - 1) / kblock;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * KB,
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * KB,
               "fp8_dequantize: scales must be contiguous float32 [N, K / kblock]");
-  auto out = torch::empty({N, K}, scales.options());
+  auto out = at::empty({N, K}, scales.options());
   const Fp8* w = reinterpret_cast<const Fp8*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   float* y = out.data_ptr<float>();
@@ -473,9 +473,9 @@ namespace {
 // codes [N, K] (K a multiple of 8) -> bfloat16 [N, K]: code x scale (scale per row and kblock inputs, or 1
 // without scales) rounded to nearest even bfloat16; exact without scales (E4M3's 3 mantissa bits and
 // exponent range fit bfloat16).
-torch::Tensor fp8_to_bf16(const torch::Tensor& codes, const float* s, int64_t kblock) {
+at::Tensor fp8_to_bf16(const at::Tensor& codes, const float* s, int64_t kblock) {
   const int64_t N = codes.size(0), K = codes.size(1), KB = (K + kblock - 1) / kblock;
-  auto out = torch::empty({N, K}, codes.options().dtype(torch::kBFloat16));
+  auto out = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
   const Fp8* w = reinterpret_cast<const Fp8*>(codes.data_ptr());
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -499,7 +499,7 @@ torch::Tensor fp8_to_bf16(const torch::Tensor& codes, const float* s, int64_t kb
 
 }  // namespace
 
-torch::Tensor fp8_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t kblock) {
+at::Tensor fp8_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock) {
   TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 2 && codes.is_contiguous() &&
                   codes.size(1) % 8 == 0,
               "fp8_linear_bf16: codes must be contiguous float8_e4m3fn [N, K], K a multiple of 8; got ", codes.sizes());
@@ -508,14 +508,14 @@ torch::Tensor fp8_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tenso
   // fp8_to_bf16 applies one scale per 16 codes: a block of 8 (24, 40, ...) inputs would get its neighbour's
   TORCH_CHECK(kblock == K || kblock % 16 == 0, "fp8_linear_bf16: kblock must be K (", K,
               ") or a multiple of 16, got ", kblock);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == N * ((K + kblock - 1) / kblock),
               "fp8_linear_bf16: scales must be contiguous float32 [N, K / kblock]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "fp8_linear_bf16: x must be [T, ", K, "], got ", x.sizes());
   const bool per_row = kblock == K;                        // the scale factors out of the dot product
-  const torch::Tensor w = fp8_to_bf16(codes, per_row ? nullptr : scales.data_ptr<float>(), kblock);
-  const torch::Tensor y = at::linear(x.to(torch::kBFloat16), w);           // [T, N] bfloat16, float32 sums
-  return per_row ? at::mul(y, scales.reshape({1, N})) : y.to(torch::kFloat32);   // float32 [T, N]
+  const at::Tensor w = fp8_to_bf16(codes, per_row ? nullptr : scales.data_ptr<float>(), kblock);
+  const at::Tensor y = at::linear(x.to(at::kBFloat16), w);           // [T, N] bfloat16, float32 sums
+  return per_row ? at::mul(y, scales.reshape({1, N})) : y.to(at::kFloat);   // float32 [T, N]
 }
 #endif
 #endif

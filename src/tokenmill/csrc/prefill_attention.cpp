@@ -224,31 +224,31 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
 
 bool prefill_attention_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor seqs,
-                       torch::Tensor slots, double scale, torch::Tensor out, c10::optional<torch::Tensor> sinks,
-                       int64_t window, c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  const bool fp8 = k_cache.scalar_type() == torch::kUInt8, bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 &&
+void prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor seqs,
+                       at::Tensor slots, double scale, at::Tensor out, c10::optional<at::Tensor> sinks,
+                       int64_t window, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+  const bool fp8 = k_cache.scalar_type() == at::kByte, bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == torch::kFloat32 || fp8 || bf16),
+                  (k_cache.scalar_type() == at::kFloat || fp8 || bf16),
               "prefill_attention: float32 q and out, caches float32, bfloat16 or uint8 (E4M3 codes)");
   TORCH_CHECK(fp8 == k_scale.has_value() && fp8 == v_scale.has_value(),
               "prefill_attention: an FP8 (uint8) cache needs k_scale and v_scale, a float32 or bfloat16 one none");
   if (fp8)
-    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat32 && v_scale->scalar_type() == torch::kFloat32 &&
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
                     k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == k_cache.size(0) &&
                     v_scale->numel() == k_cache.size(0),
                 "prefill_attention: k_scale and v_scale must be float32 [", k_cache.size(0), "] (one per kv head)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
                   seqs.is_contiguous() && slots.is_contiguous(), "prefill_attention: contiguous inputs");
-  TORCH_CHECK(seqs.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 && seqs.dim() == 2 &&
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && seqs.dim() == 2 &&
                   seqs.size(1) == 3 && slots.dim() == 2 && slots.size(0) == seqs.size(0),
               "prefill_attention: seqs [B, 3] and slots [B, L] int64");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(0), S = k_cache.size(1);
   TORCH_CHECK(prefill_attention_supports(D) && H % KV == 0 && k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() &&
                   out.sizes() == q.sizes(), "prefill_attention: q [T, H, D] (D 64 or 128), caches [KV, S, D], out as q");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
-  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                                      sinks->numel() == H),
               "prefill_attention: sinks must be float32 [", H, "] (one per query head)");
   const bool f32 = !fp8 && !bf16;
@@ -299,9 +299,9 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 #else
 bool prefill_attention_supports(int64_t) { return false; }
 
-void prefill_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double,
-                       torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>,
-                       c10::optional<torch::Tensor>) {
+void prefill_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                       at::Tensor, c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>,
+                       c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "prefill_attention: needs AVX-512");
 }
 #endif

@@ -2,7 +2,7 @@
 // rows, split evenly over the threads, each block's weights read from memory once per step and reused
 // from L2 by every activation row. AVX-512 builds only (included under TOKENMILL_GEMV_KERNELS).
 #pragma once
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -21,8 +21,8 @@ void parallel_over_rows(int64_t N, int64_t weight_bytes, const F& f) {
   at::parallel_for(0, N, grain, f);
 }
 
-inline void check_x(const torch::Tensor& x, int64_t K, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K,
+inline void check_x(const at::Tensor& x, int64_t K, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K,
               name, ": x must be float32 [M, ", K, "] with contiguous rows, got ", x.sizes());
 }
 

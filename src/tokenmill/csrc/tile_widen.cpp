@@ -70,7 +70,7 @@ void widen_q8_tile(const int8_t* tile, const __m512 scale, uint16_t* wt, int64_t
 }
 
 // Checks the tiles' shape against N and returns (row blocks, groups): q [ceil(N / 16), K / 32, tile_bytes].
-std::pair<int64_t, int64_t> tile_grid(const char* name, const torch::Tensor& q, at::ScalarType dtype,
+std::pair<int64_t, int64_t> tile_grid(const char* name, const at::Tensor& q, at::ScalarType dtype,
                                       int64_t tile_bytes, int64_t N) {
   TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 3 && q.is_contiguous() && q.size(2) == tile_bytes, name,
               ": q must be contiguous ", dtype, " [N/16, K/32, ", tile_bytes, "], got ", q.scalar_type(), " ",
@@ -83,18 +83,18 @@ std::pair<int64_t, int64_t> tile_grid(const char* name, const torch::Tensor& q, 
 // [K, N] bfloat16 in the calling thread's workspace, grown to the largest weight it has widened: a fresh
 // tensor of a few MB costs its page faults on every call (measured: 0.16 ms of a 0.2 ms fill at 3.5 MB).
 // Valid until the same thread widens again.
-torch::Tensor workspace(int64_t K, int64_t N) {
-  thread_local torch::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < K * N) buffer = torch::empty({K * N}, torch::dtype(torch::kBFloat16));
+at::Tensor workspace(int64_t K, int64_t N) {
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < K * N) buffer = at::empty({K * N}, at::dtype(at::kBFloat16));
   return buffer.narrow(0, 0, K * N).view({K, N});
 }
 
 // Runs widen(tile index, out, g, rb, mask) for every tile, split over the threads, into wt [K, N] (into the
 // calling thread's workspace where reuse is true, else a new tensor).
 template <class F>
-torch::Tensor widen_tiles(int64_t blocks, int64_t groups, int64_t N, bool reuse, const F& widen) {
-  torch::Tensor wt = reuse ? workspace(groups * 32, N)
-                           : torch::empty({groups * 32, N}, torch::dtype(torch::kBFloat16));
+at::Tensor widen_tiles(int64_t blocks, int64_t groups, int64_t N, bool reuse, const F& widen) {
+  at::Tensor wt = reuse ? workspace(groups * 32, N)
+                           : at::empty({groups * 32, N}, at::dtype(at::kBFloat16));
   auto* out = reinterpret_cast<uint16_t*>(wt.data_ptr());
   // Row blocks innermost: consecutive tiles fill the two halves of the same 64-byte lines of wt's 32 rows
   // (row blocks outermost wrote each line in two far-apart halves, reading it from memory twice).
@@ -108,17 +108,17 @@ torch::Tensor widen_tiles(int64_t blocks, int64_t groups, int64_t N, bool reuse,
 }
 
 // reuse: into the calling thread's workspace (linear_tiles_bf16), else a tensor of its own (the bindings).
-torch::Tensor widen_q4(const torch::Tensor& q, int64_t N, bool reuse) {
-  const auto [blocks, groups] = tile_grid("q4_tiles_to_bf16", q, torch::kUInt8, 320, N);
+at::Tensor widen_q4(const at::Tensor& q, int64_t N, bool reuse) {
+  const auto [blocks, groups] = tile_grid("q4_tiles_to_bf16", q, at::kByte, 320, N);
   const auto* qp = q.data_ptr<uint8_t>();
   return widen_tiles(blocks, groups, N, reuse, [&](int64_t t, uint16_t* wt, int64_t g, int64_t rb, __mmask16 tail) {
     widen_q4_tile(qp + t * 320, wt, N, g, rb, tail);
   });
 }
 
-torch::Tensor widen_q8(const torch::Tensor& q, const torch::Tensor& scale, int64_t N, bool reuse) {
-  const auto [blocks, groups] = tile_grid("q8_tiles_to_bf16", q, torch::kInt8, 512, N);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == blocks * 16,
+at::Tensor widen_q8(const at::Tensor& q, const at::Tensor& scale, int64_t N, bool reuse) {
+  const auto [blocks, groups] = tile_grid("q8_tiles_to_bf16", q, at::kChar, 512, N);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == blocks * 16,
               "q8_tiles_to_bf16: scale must be contiguous float32 [", blocks * 16, "], got ", scale.sizes());
   const auto* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -129,21 +129,21 @@ torch::Tensor widen_q8(const torch::Tensor& q, const torch::Tensor& scale, int64
 
 }  // namespace
 
-torch::Tensor q4_tiles_to_bf16(torch::Tensor q, int64_t N) { return widen_q4(q, N, false); }
+at::Tensor q4_tiles_to_bf16(at::Tensor q, int64_t N) { return widen_q4(q, N, false); }
 
-torch::Tensor q8_tiles_to_bf16(torch::Tensor q, torch::Tensor scale, int64_t N) {
+at::Tensor q8_tiles_to_bf16(at::Tensor q, at::Tensor scale, int64_t N) {
   return widen_q8(q, scale, N, false);
 }
 
-torch::Tensor linear_tiles_bf16(torch::Tensor x, const std::string& kind, torch::Tensor q,
-                                c10::optional<torch::Tensor> scale, int64_t N) {
+at::Tensor linear_tiles_bf16(at::Tensor x, const std::string& kind, at::Tensor q,
+                             c10::optional<at::Tensor> scale, int64_t N) {
   TORCH_CHECK(kind == "q4" || kind == "q8", "linear_tiles_bf16: kind must be q4 or q8, got ", kind);
   TORCH_CHECK(kind == "q4" || scale.has_value(), "linear_tiles_bf16: q8 tiles need their scale");
   TORCH_CHECK(q.dim() == 3, "linear_tiles_bf16: q must be [N/16, K/32, tile bytes], got ", q.sizes());
   const int64_t K = 32 * q.size(1);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
               "linear_tiles_bf16: x must be float32 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
-  const torch::Tensor wt = kind == "q4" ? widen_q4(q, N, true) : widen_q8(q, *scale, N, true);
-  return at::linear(x.to(torch::kBFloat16), wt.t()).to(torch::kFloat32);
+  const at::Tensor wt = kind == "q4" ? widen_q4(q, N, true) : widen_q8(q, *scale, N, true);
+  return at::linear(x.to(at::kBFloat16), wt.t()).to(at::kFloat);
 }
 #endif  // TOKENMILL_TILE_WIDEN

@@ -28,7 +28,7 @@ HEADERS = [os.path.join(CSRC, name) for name in ("cpu_kernels.h", "gemv_kernels.
                                                      "greedy_head.h", "tile_loop.h", "prefill_attention.h",
                                                      "simd_math.h", "moe_kernels.h", "fp8_attention.h",
                                                      "decode_attention.h", "fp8_gemv.h", "tile_widen.h",
-                                                     "amx_tiles.h")]
+                                                     "amx_tiles.h", "aten_ops.h")]
 
 
 def _cpu_tag() -> str:
