@@ -2,12 +2,18 @@
 // 16 output rows spread over the threads; each weight row is read once per pass of rows of x, 64 codes at a
 // time, widened in registers and fed to multiply-adds against every row of the pass.
 //
-// Where they stand (Sapphire Rapids, 2 threads; benchmarks/fp8_kernels.py, one row of x, the default model's
-// four layer shapes, each in cache): int8's VNNI tiles 0.028 ms; fp8_gemv_f16 0.068; fp8_gemv_bf16 0.098; the
-// exact float32 grouped kernel 0.157. Per 64 weights (a standalone loop, 4 weight rows in L1): fp8_gemv_bf16
-// 2.8 ns, its two vdpbf16ps 1.3 of them (one per 2 cycles) and its table decode 1.7 (two vpermi2b at 2 cycles
-// each and two unpacks, on the shuffle port the vdpbf16ps also use), the two not overlapping; fp8_gemv_f16
-// 1.2 ns (a shift-and-mask decode of 3 ops per 32 weights, two fp16 FMAs at 2 a cycle).
+// Weight rows are read in address order where the hardware prefetchers can follow them: on Zen 4 (fp8_gemv_bf16,
+// one row of x, 2 threads, the default model's 120 decode linears, 106 MB from DRAM) reading chunk k of four
+// rows in turn streamed at 14 GB/s (15-18 with a software prefetch two tiles ahead), one row at a time at 27-28
+// GB/s (int8's tiles there: 24-27, a batch-1 decode step 0.68x int8's before, 0.89-0.97x after); in cache the
+// two are as fast at 1-2 rows of x and one row at a time is faster at 4-10 (benchmarks/fp8_kernels.py).
+//
+// Where they stand (Sapphire Rapids, 2 threads, fp8_gemv_bf16 then reading four rows in turn;
+// benchmarks/fp8_kernels.py, one row of x, the default model's four layer shapes, each in cache): int8's VNNI tiles
+// 0.028 ms; fp8_gemv_f16 0.068; fp8_gemv_bf16 0.098; the exact float32 grouped kernel 0.157. Per 64 weights (a
+// standalone loop, 4 weight rows in L1): fp8_gemv_bf16 2.8 ns, its two vdpbf16ps 1.3 of them (one per 2 cycles) and its
+// table decode 1.7 (two vpermi2b at 2 cycles each and two unpacks, on the shuffle port the vdpbf16ps also use), the two
+// not overlapping; fp8_gemv_f16 1.2 ns (a shift-and-mask decode of 3 ops per 32 weights, two fp16 FMAs at 2 a cycle).
 #include "fp8_gemv.h"
 
 #if defined(TOKENMILL_FP8_GEMV_BF16) || defined(TOKENMILL_FP8_GEMV_F16)
@@ -39,9 +45,15 @@ struct PreparedX {
 // codes 8-15, 24-31, 40-47, 56-63 in the high half ("odd"). Position p < 32 takes input 16 (p / 8) + p % 8,
 // position p >= 32 takes 16 ((p - 32) / 8) + 8 + p % 8.
 void permute_chunk(uint16_t* chunk) {
-  uint16_t in[kChunk];
-  std::memcpy(in, chunk, sizeof(in));
-  for (int p = 0; p < kChunk; p++) chunk[p] = in[p < 32 ? 16 * (p / 8) + p % 8 : 16 * ((p - 32) / 8) + 8 + p % 8];
+  static const __m512i to_even = [] {
+    alignas(64) uint16_t idx[32];
+    for (int p = 0; p < 32; p++) idx[p] = uint16_t(16 * (p / 8) + p % 8);
+    return _mm512_load_si512(idx);
+  }();
+  static const __m512i to_odd = _mm512_add_epi16(to_even, _mm512_set1_epi16(8));
+  const __m512i a = _mm512_loadu_si512(chunk), b = _mm512_loadu_si512(chunk + 32);
+  _mm512_storeu_si512(chunk, _mm512_permutex2var_epi16(a, to_even, b));
+  _mm512_storeu_si512(chunk + 32, _mm512_permutex2var_epi16(a, to_odd, b));
 }
 
 // Row [K] float32 -> 16-bit values [Kp] by convert16 (16 float32 -> 16 values), zeros past K, chunks permuted.
@@ -76,8 +88,9 @@ inline void prefetch_ahead(const uint8_t* chunk, int64_t tile_bytes) {
 // M rows of x (Kp apart) against R FP8 weight rows (K apart, scales KB apart): out[i * ldo + r] = factor[i] x
 // the sum over blocks of scale[r][b] x (row r's products with x's row i). R x M accumulator chains of
 // Arith::Acc, each taking a chunk's even then odd half (Arith::dot) and moved into a float32 total times its
-// block's scale (Arith::flush) every Arith::kFlushChunks chunks and at each block's end; several weight rows at
-// once keep chains in flight at M = 1 and overlap the rows' final reductions.
+// block's scale (Arith::flush) every Arith::kFlushChunks chunks and at each block's end. R > 1 (fp8_gemv_f16,
+// measured on Sapphire Rapids) keeps chains in flight at M = 1 and overlaps the rows' final reductions, at the
+// price of R interleaved address streams; R = 1 (fp8_gemv_bf16) reads the weight in address order.
 template <class Arith, int R, int M>
 void dot_tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, float* out,
               int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
@@ -98,7 +111,7 @@ void dot_tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, con
         const __mmask64 m = chunk_mask(k, f1);
         for (int r = 0; r < R; r++) {
           __m512i even, odd;
-          prefetch_ahead(w + r * K + k, R * K);
+          if constexpr (Arith::kPrefetch) prefetch_ahead(w + r * K + k, R * K);
           Arith::widen(_mm512_maskz_loadu_epi8(m, w + r * K + k), tables, even, odd);
           for (int i = 0; i < M; i++) acc[r][i] = Arith::dot(acc[r][i], even, odd, x + i * Kp + k);
         }
@@ -211,7 +224,8 @@ inline void e4m3x64_bf16(__m512i codes, const Bf16Bytes& t, __m512i& even, __m51
 struct Bf16Arith {
   static constexpr int kMaxPass = 16;                      // rows of x sharing one decoded weight vector
   template <int M>
-  static constexpr int kTileRows = M <= 4 ? 4 : M <= 8 ? 2 : 1;    // R x M <= 16 accumulators
+  static constexpr int kTileRows = 1;         // a weight row at a time, in address order (see the top)
+  static constexpr bool kPrefetch = false;    // the hardware prefetchers keep up with one stream a thread
 
   // x's row rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)); factor 1.
   static float prepare(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
@@ -265,6 +279,7 @@ struct F16Arith {
   static constexpr int kMaxPass = 8;                       // rows of x sharing one decoded weight vector
   template <int M>
   static constexpr int kTileRows = M <= 2 ? 4 : M <= 4 ? 2 : 1;    // R x M <= 8 (fp16 and float32 sums)
+  static constexpr bool kPrefetch = true;     // R rows interleaved: a software prefetch two tiles ahead
 
   // x's row times 2^shift, shift such that max |x| 2^shift < 2^kXExponent, rounded to fp16 (nearest even:
   // relative 2^-11; values under 2^-14 of that scale's unit lose bits as fp16 subnormals); factor 2^(8 - shift)
