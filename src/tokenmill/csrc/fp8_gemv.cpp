@@ -5,8 +5,8 @@
 // Weight rows are read in address order where the hardware prefetchers can follow them: on Zen 4 (fp8_gemv_bf16,
 // one row of x, 2 threads, the default model's 120 decode linears, 106 MB from DRAM) reading chunk k of four
 // rows in turn streamed at 14 GB/s (15-18 with a software prefetch two tiles ahead), one row at a time at 27-28
-// GB/s (int8's tiles there: 24-27, a batch-1 decode step 0.68x int8's before, 0.89-0.97x after); in cache the
-// two are as fast at 1-2 rows of x and one row at a time is faster at 4-10 (benchmarks/fp8_kernels.py).
+// GB/s (int8's tiles there: 24-27; a batch-1 decode step 0.66-0.68x int8's before, 1.03-1.04x after); in cache
+// the two are as fast at 1-2 rows of x and one row at a time is faster at 4-10 (benchmarks/fp8_kernels.py).
 //
 // Where they stand (Sapphire Rapids, 2 threads, fp8_gemv_bf16 then reading four rows in turn;
 // benchmarks/fp8_kernels.py, one row of x, the default model's four layer shapes, each in cache): int8's VNNI tiles
