@@ -128,6 +128,29 @@ def test_native_linear_runs_what_linear_forward_runs_at_every_row_count(tiny_mod
             assert getattr(linear, "qweight", None) is None and getattr(linear, "int4_packed", None) is None
 
 
+@pytest.mark.parametrize("batch", [1, 20])
+def test_a_group_scaled_fp8_checkpoint_runs_the_native_layers_as_the_per_op_path(tiny_model_factory, tmp_path, batch):
+    """FP8 scales per 32 inputs (compressed-tensors "group"): the native DecodeLinear takes the layer's group
+    size (not derivable from the scales' shape in general) and runs what Linear.forward runs at every row count;
+    whole decode steps give the per-op path's tokens."""
+    from tests.quant.test_fp8 import _write_checkpoint
+    out = str(tmp_path / "fp8-group")
+    _write_checkpoint(tiny_model_factory("llama", tie_word_embeddings=False), out, "compressed-tensors", "group")
+    bound, native = run(out, None, True, PROMPTS[:batch])
+    unbound, per_op = run(out, None, False, PROMPTS[:batch])
+    assert bound and not unbound
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(native, per_op):
+        assert tokens_a == tokens_b
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+    llm = LLM(out, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22)
+    down = llm.engine.core.runner.model.model.layers[0].mlp.down_proj
+    assert down.fp8_kblock == 32 and down.fp8_scale.shape[-1] == down.in_features // 32
+    as_built = down.native_decode_linear(cpu_native.load())
+    for rows in (1, 10, 16, 17, 40):
+        x = torch.randn(rows, down.in_features, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(as_built(x), down(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_native_linear_without_a_large_kernel_says_so(tiny_model_factory):
     llm = LLM(tiny_model_factory("llama"), enable_prefix_caching=False, kv_cache_memory_bytes=1 << 22)
     linear = llm.engine.core.runner.model.model.layers[0].self_attn.o_proj

@@ -88,14 +88,21 @@ def _engine_logits(llm, ids) -> tuple[torch.Tensor, list[int]]:
     return logits, llm.generate([ids], GREEDY)[0].outputs[0].token_ids
 
 
+GROUP = 32                # inputs per scale of the "group" checkpoints written here
+
+
 def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale) as the vendors lay them out: [1] per tensor, [N, 1] per channel, [N/128, K/128] blocks."""
+    """(codes, scale) as the vendors lay them out: [1] per tensor, [N, 1] per channel, [N/128, K/128] blocks,
+    [N, K/32] groups."""
     if strategy == "tensor":
         scale = (w.abs().max() / E4M3_MAX).reshape(1)
         full = scale.expand_as(w)
     elif strategy == "channel":
         scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
         full = scale.expand_as(w)
+    elif strategy == "group":
+        scale = w.abs().view(w.shape[0], -1, GROUP).amax(dim=2) / E4M3_MAX
+        full = scale.repeat_interleave(GROUP, dim=1)
     else:
         n, k = w.shape
         pad = torch.nn.functional.pad(w, (0, -k % BLOCK, 0, -n % BLOCK))
@@ -122,7 +129,8 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str, head: bool
             tensors[name[: -len("weight")] + "input_scale"] = torch.ones(1)
             full = _quantize(t.float(), strategy)[1]
             dequantized[name] = q.float() * (full.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-                                             [: t.shape[0], : t.shape[1]] if strategy == "block" else full)
+                                             [: t.shape[0], : t.shape[1]] if strategy == "block" else
+                                             full.repeat_interleave(GROUP, 1) if strategy == "group" else full)
         else:
             tensors[name] = t
     os.remove(os.path.join(out, "model.safetensors"))
@@ -133,6 +141,8 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str, head: bool
         weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
         if strategy == "block":
             weights["block_structure"] = [128, 128]
+        if strategy == "group":
+            weights["group_size"] = GROUP
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
                                       "ignore": [] if head else ["lm_head"]}
@@ -148,8 +158,8 @@ def _write_checkpoint(src: str, out: str, layout: str, strategy: str, head: bool
 
 
 @pytest.mark.parametrize("layout,strategy", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel"),
-                                             ("compressed-tensors", "block"), ("modelopt", "tensor"),
-                                             ("deepseek", "block")])
+                                             ("compressed-tensors", "block"), ("compressed-tensors", "group"),
+                                             ("modelopt", "tensor"), ("deepseek", "block")])
 def test_prequantized_checkpoints_equal_the_dequantized_reference(tiny_model_factory, tmp_path, monkeypatch, layout,
                                                                   strategy):
     from tokenmill.quant import fp8
@@ -232,6 +242,7 @@ def test_modelopt_kv_cache_scales_on_k_proj_and_v_proj_are_the_caches(tiny_model
     ("channel", "tensor", r"\[1\]", r"\[64, 1\] or \[64\]"),
     ("block", "channel", r"\[64, 1\]", r"\[1, 1\]"),
     ("tensor", "channel", r"\[64, 1\]", r"\[\] or \[1\] or \[1, 1\]"),
+    ("group", "channel", r"\[64, 1\]", r"\[64, 4\]"),
 ])
 @pytest.mark.parametrize("quantization", [None, "int8"])     # the checkpoint's codes, or dequantized as read
 def test_scales_of_another_shape_than_the_strategy_declares_are_named(tiny_model_factory, tmp_path, declared, written,
@@ -244,9 +255,12 @@ def test_scales_of_another_shape_than_the_strategy_declares_are_named(tiny_model
     cfg_path = os.path.join(out, "config.json")
     cfg = json.load(open(cfg_path))
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = declared
+    if declared == "group":
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = GROUP
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.down_proj\.weight_scale has shape {found}, "
-                                         rf"expected {expected} \(compressed-tensors FP8 {declared} scales of a "
+                                         rf"expected {expected} \(compressed-tensors FP8 {declared} scales"
+                                         rf"{' per 32 inputs' if declared == 'group' else ''} of a "
                                          r"weight \[64, 128\]\)"):
         LLM(out, quantization=quantization, kv_cache_memory_bytes=1 << 22)
 
@@ -313,6 +327,16 @@ def test_quantization_fp8_on_a_float_checkpoint(tiny_model_factory):
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
         "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 32}}}},
      r"compressed-tensors scheme of group_0 \(weights num_bits=4, type=float, strategy=tensor_group\) is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 48}}}},
+     r"compressed-tensors scheme of group_0: FP8 group scales of 48 inputs are not supported; supported: groups "
+     r"of 16, 32 or a multiple of 64 inputs"),
+    ({"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"targets": ["re:.*q_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                             "group_size": 32}},
+        "group_1": {"targets": ["re:.*o_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                             "group_size": 64}}}},
+     r"one weight strategy for every group is supported, got \['group'\] with group sizes \[32, 64\]"),
     ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 checkpoint format 'e5m2'"),
 ])
@@ -355,7 +379,7 @@ def test_steps_above_the_tile_rows_run_the_dequantized_weight():
 
 
 def _fast_layer(k: int, strategy: str, bias: bool = True):
-    """A Linear [48, k] in FP8's fast mode, with the given checkpoint scale strategy (channel or block)."""
+    """A Linear [48, k] in FP8's fast mode, with the given checkpoint scale strategy (channel, block, group)."""
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantize import quantize_model
     from tokenmill.quant import tile_kernels
@@ -365,14 +389,15 @@ def _fast_layer(k: int, strategy: str, bias: bool = True):
     torch.nn.init.normal_(layer.weight, std=0.1, generator=torch.Generator().manual_seed(5))
     if bias:
         torch.nn.init.normal_(layer.bias, generator=torch.Generator().manual_seed(6))
-    if strategy == "block":
-        layer.checkpoint_fp8 = [(slice(0, 48), "block", _quantize(layer.weight.data, "block")[1])]
+    if strategy in ("block", "group"):
+        layer.checkpoint_fp8 = [(slice(0, 48), strategy, _quantize(layer.weight.data, strategy)[1])]
     quantize_model(layer, "fp8")
-    assert layer.quant_method.bf16_activations and layer.fp8_kblock == (BLOCK if strategy == "block" else k)
+    assert layer.quant_method.bf16_activations
+    assert layer.fp8_kblock == {"block": BLOCK, "group": GROUP}.get(strategy, k)
     return layer
 
 
-@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block")])
+@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block"), (416, "group")])
 def test_the_fast_mode_rounds_activations_and_output_to_bfloat16(k, strategy):
     """Above tile_max_rows: x and the output (before a per-row scale) rounded to bfloat16, the codes exact
     (times a block scale, rounded to bfloat16): each output within 2^-8 relative of the float64 product of
@@ -425,10 +450,10 @@ def _without_fp16_gemv(monkeypatch):
     if bf16_gemv is None:
         pytest.skip("needs an AVX-512 BF16 + VBMI build of the native kernels")
     monkeypatch.setattr(fp8.FP8Method, "fast_gemv",
-                        lambda self: ("fp8_bf16", bf16_gemv) if self.bf16_activations else None)
+                        lambda self, layer=None: ("fp8_bf16", bf16_gemv) if self.bf16_activations else None)
 
 
-@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block")])
+@pytest.mark.parametrize("k,strategy", [(136, "channel"), (392, "block"), (416, "group")])
 def test_the_fast_mode_without_the_fp16_gemv_rounds_x_to_bfloat16_up_to_16_rows(monkeypatch, k, strategy):
     """Without AVX-512 FP16 the fast mode's small steps run fp8_gemv_bf16 up to 16 rows (its measured limit),
     in the layer and in the native decoder layer's kind."""
@@ -444,7 +469,7 @@ def test_the_fast_mode_without_the_fp16_gemv_rounds_x_to_bfloat16_up_to_16_rows(
 def test_the_fast_mode_without_the_gemv_kernels_runs_float32_up_to_16_rows(monkeypatch):
     """A build with AVX-512 BF16 but neither FP16 nor VBMI has fp8_linear_bf16 and no gemv: steps of up to 16
     rows run the exact grouped kernel (its measured limit), and the native decoder layer gets kind "fp8"."""
-    monkeypatch.setattr(fp8.FP8Method, "fast_gemv", lambda self: None)
+    monkeypatch.setattr(fp8.FP8Method, "fast_gemv", lambda self, layer=None: None)
     layer = _fast_layer(136, "channel")
     assert layer.tile_max_rows == fp8.FP8Method.FAST_GROUPED_MAX_ROWS == 16
     assert layer.quant_method.tile_weights(layer)[0] == "fp8"
@@ -452,6 +477,20 @@ def test_the_fast_mode_without_the_gemv_kernels_runs_float32_up_to_16_rows(monke
     x = torch.randn(16, 136, generator=torch.Generator().manual_seed(8))
     exact = x.double() @ exact_w.t() + layer.bias.double()
     assert ((layer(x).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_the_fast_mode_runs_groups_of_16_or_32_on_the_bfloat16_gemv(monkeypatch):
+    """fp8_gemv_f16 takes scales per row or per multiple of 64 inputs only: on a build with both gemvs a layer
+    with groups of 16 or 32 gets fp8_gemv_bf16 (its kind in the native decoder layer too), the others f16."""
+    from types import SimpleNamespace
+    from tokenmill.quant import tile_kernels
+    native = SimpleNamespace(fp8_gemv_f16=object(), fp8_gemv_bf16=object(), moe_grouped_gemm=object())
+    monkeypatch.setattr(tile_kernels, "kernels", lambda: native)
+    method = fp8.FP8Method(bf16_activations=True)
+    for kblock, kind in ((16, "fp8_bf16"), (32, "fp8_bf16"), (64, "fp8_f16"), (128, "fp8_f16"), (576, "fp8_f16")):
+        layer = SimpleNamespace(fp8_kblock=kblock, in_features=576, fp8_weight=None, fp8_scale=None)
+        assert method.fast_gemv(layer)[0] == kind
+        assert method.tile_weights(layer)[0] == kind and method.tile_scale_block(layer) == kblock
 
 
 def test_the_fast_mode_is_off_with_bf16_activations_false():

@@ -73,12 +73,14 @@ def _case(n: int, k: int, kblock: int, rows: int, seed: int):
     return codes, scales.contiguous(), x
 
 
-@pytest.mark.parametrize("k,kblock", [(576, 576), (200, 200), (264, 264), (392, 128), (640, 128), (192, 64)])
+@pytest.mark.parametrize("k,kblock", [(576, 576), (200, 200), (264, 264), (392, 128), (640, 128), (192, 64),
+                                     (576, 32), (200, 32), (104, 32), (72, 32), (1536, 16), (72, 16), (200, 16)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17, 33])
 def test_the_kernel_is_the_bfloat16_rounded_x_times_the_exact_weight(bf16_gemv, k, kblock, rows):
-    """Every row count of a pass (1-16: tiles of 4, 2 and 1 weight rows) and several passes, N off the tiles
-    (45 rows), K off the chunks of 64 (a last chunk of 8..56), per-row and block scales: within float32
-    summation error of x.bfloat16() @ dequantized^T in float64, and not the unrounded x's product."""
+    """Every row count of a pass (1-16) and several passes, N off the tiles (45 rows), K off the chunks of 64
+    (a last chunk of 8..56), per-row, block and group scales (groups of 32 or 16: two or four scales within a
+    chunk, the last chunk's later groups absent): within float32 summation error of x.bfloat16() @
+    dequantized^T in float64, and not the unrounded x's product."""
     codes, scales, x = _case(45, k, kblock, rows, seed=k * 100 + rows)
     dequantized = fp8.dequantize(codes, scales, kblock).double()
     y = bf16_gemv(x, codes, scales, kblock if kblock != k else 0)
@@ -148,10 +150,18 @@ def test_a_strided_x_and_empty_shapes(gemv):
     assert gemv(x[:0], codes, scales, 0).shape == (0, 20)
 
 
+def test_the_f16_kernel_refuses_groups_within_a_chunk(f16_gemv):
+    """fp8_gemv_f16 sums fp16 products over 4 chunks before scaling: groups of 16 or 32 inputs are refused by
+    name (quant/fp8.py's FP8Method runs fp8_gemv_bf16 for such layers)."""
+    codes, scales, x = _case(4, 192, 32, 2, seed=2)
+    with pytest.raises(RuntimeError, match="kblock must be K \\(192\\) or a multiple of 64, got 32"):
+        f16_gemv(x, codes, scales, 32)
+
+
 @pytest.mark.parametrize("case,message", [
     ("int8 codes", "codes must be contiguous float8_e4m3fn"),
     ("K not a multiple of 8", "K a multiple of 8"),
-    ("kblock 48", "kblock must be K \\(192\\) or a multiple of 64, got 48"),
+    ("kblock 48", "kblock must be K \\(192\\) or a multiple of 64.*, got 48"),
     ("scales of another shape", "scales must be contiguous float32 \\[N, K / kblock\\] = \\[4, 3\\]"),
     ("float64 x", "x must be float32 \\[T, 192\\]"),
     ("x of another width", "x must be float32 \\[T, 192\\]"),

@@ -1,6 +1,7 @@
 """The CUDA FP8 method (quant/scaled_mm_fp8.py: FP8 weights and per-token FP8 activations through
 torch._scaled_mm), run here through torch's CPU _scaled_mm: exactly the arithmetic it states (row scales,
-and 128 x 128 weight blocks with per-token-group activations), and within FP8's error of the float layer."""
+128 x 128 weight blocks and groups of 32 inputs with per-token-group activations), and within FP8's error of the
+float layer."""
 from __future__ import annotations
 
 import pytest
@@ -61,6 +62,19 @@ def test_block_checkpoint_scales_take_per_group_activations():
     y = layer(x)
     ref = _by_hand(layer, x, fp8.BLOCK)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_group_checkpoint_scales_take_activations_per_group():
+    """compressed-tensors "group" scales (one per row and 32 inputs): one _scaled_mm per group, the activations
+    quantized per token and group of 32 (the weight's scale groups), exactly the stated arithmetic."""
+    layer, w = _layer(160, 256, 4)
+    groups = torch.rand(160, 8, generator=torch.Generator().manual_seed(5)) * 0.01 + 0.002      # [N, K / 32]
+    layer.checkpoint_fp8 = [(slice(0, 160), "group", groups)]
+    quantize_model(layer, FP8ScaledMMMethod())
+    assert layer.fp8_kblock == 32 and layer.fp8_scale.shape == (8, 1, 160)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    ref = _by_hand(layer, x, 32)
+    assert ((layer(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def test_shapes_off_the_alignment_are_refused():

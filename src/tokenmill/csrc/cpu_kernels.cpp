@@ -346,9 +346,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"));
   py::class_<DecodeLinear>(m, "DecodeLinear")
       .def(py::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    int64_t, int64_t, LargeLinear>(),
+                    int64_t, int64_t, LargeLinear, int64_t>(),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("out_features"),
-           py::arg("small_rows"), py::arg("large"))
+           py::arg("small_rows"), py::arg("large"), py::arg("kblock") = 0)
       .def("__call__", &DecodeLinear::operator(), "x [T, K] float32 -> [T, N], the kernel Linear.forward picks")
       .def("max_rows", &DecodeLinear::max_rows);
   py::class_<DecodeLayer>(m, "DecodeLayer")

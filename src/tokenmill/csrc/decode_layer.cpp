@@ -42,9 +42,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 
 DecodeLinear::DecodeLinear(std::string kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                            c10::optional<at::Tensor> bias, int64_t out_features, int64_t small_rows,
-                           LargeLinear large)
+                           LargeLinear large, int64_t kblock)
     : kind_(std::move(kind)), weight_(weight), scales_(scales), bias_(bias), n_(out_features),
-      small_rows_(small_rows), large_(std::move(large)) {
+      small_rows_(small_rows), large_(std::move(large)), kblock_(kblock) {
   const bool fp8 = kind_ == "fp8" || kind_ == "fp8_bf16" || kind_ == "fp8_f16";
   TORCH_CHECK(kind_ == "f32" || kind_ == "q4" || kind_ == "q8" || kind_ == "nvfp4" || fp8,
               "DecodeLinear: unknown kind ", kind_);
@@ -59,7 +59,8 @@ DecodeLinear::DecodeLinear(std::string kind, at::Tensor weight, c10::optional<at
   if (fp8) {
     TORCH_CHECK(weight_.dim() == 3 && weight_.size(0) == 1 && scales_->dim() == 3 &&
                     scales_->size(2) == (weight_.size(2) + fp8_kblock() - 1) / fp8_kblock(),
-                "DecodeLinear: ", kind_, " needs codes [1, N, K] and scales [1, N, K / kblock] (kblock K or 128)");
+                "DecodeLinear: ", kind_, " needs codes [1, N, K] and scales [1, N, ceil(K / kblock)], kblock ",
+                fp8_kblock());
 #ifndef TOKENMILL_MOE_KERNELS
     TORCH_CHECK(false, "DecodeLinear: fp8 needs the grouped GEMM (AVX2 and FMA)");
 #endif
@@ -75,8 +76,10 @@ DecodeLinear::DecodeLinear(std::string kind, at::Tensor weight, c10::optional<at
 #endif
 }
 
-// FP8 scales: one per row (KB = 1: kblock = K) or per 128 inputs (quant/fp8.py's only two layouts).
+// FP8 scales: as given (quant/fp8.py's layer.fp8_kblock: K, 128, or a checkpoint's group), else one per row
+// (KB = 1: kblock = K) or per 128 inputs.
 int64_t DecodeLinear::fp8_kblock() const {
+  if (kblock_ > 0) return kblock_;
   return scales_->size(2) == 1 ? weight_.size(2) : 128;
 }
 

@@ -26,19 +26,21 @@ struct LargeLinear {
 class DecodeLinear {
  public:
   DecodeLinear(std::string kind, at::Tensor weight, c10::optional<at::Tensor> scales,
-               c10::optional<at::Tensor> bias, int64_t out_features, int64_t small_rows, LargeLinear large);
+               c10::optional<at::Tensor> bias, int64_t out_features, int64_t small_rows, LargeLinear large,
+               int64_t kblock = 0);
   at::Tensor operator()(const at::Tensor& x) const;   // x [T, K] float32 -> [T, N]
   int64_t max_rows() const;        // the most rows a step may have (small_rows without a large kernel)
 
  private:
   at::Tensor large(const at::Tensor& x) const;
-  int64_t fp8_kblock() const;      // inputs per FP8 scale (kind "fp8")
+  int64_t fp8_kblock() const;      // inputs per FP8 scale (kinds "fp8*"): kblock_, or K / 128 by the scales' shape
   std::string kind_;               // "f32" | "q4" | "q8" | "nvfp4": which tiles weight_ holds;
                                    // "fp8" / "fp8_bf16": codes
   at::Tensor weight_;
   c10::optional<at::Tensor> scales_, bias_;
   int64_t n_, small_rows_;
   LargeLinear large_;
+  int64_t kblock_;                 // inputs per FP8 scale as the method gives it; 0: derived (fp8_kblock)
 };
 
 class DecodeLayer {

@@ -124,6 +124,55 @@ void dot_tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, con
     for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]) * factor[i];
 }
 
+// The G scales of a chunk's blocks (s[0 .. present)), each over its 16 / G float32 lanes, by broadcasts from
+// memory (load-port work: the shuffle port is the bf16 decode's). Lanes of absent blocks (past the row's end)
+// keep s[0]: their sums are 0, as their codes are masked to 0.
+template <int G>
+inline __m512 chunk_scales(const float* s, int64_t present) {
+  __m512 v = _mm512_set1_ps(s[0]);
+  constexpr unsigned kLanes = (1u << (16 / G)) - 1;          // one block's lanes, block 0's place
+  for (int j = 1; j < G; j++)
+    if (j < present) v = _mm512_mask_broadcastss_ps(v, __mmask16(kLanes << (j * 16 / G)), _mm_load_ss(s + j));
+  return v;
+}
+
+// dot_tile for blocks of 16 or 32 inputs (G = 64 / kblock = 4 or 2 blocks a chunk; Arith::kSubChunkScales):
+// block j of a chunk lands in its own run of 16 / G consecutive float32 lanes of Arith::Acc (lanes 4q..4q+3
+// sum codes 16q..16q+15 of the chunk: see e4m3x64_bf16), so every chunk's sums are flushed times the vector of
+// its blocks' scales, each over its lanes (chunk_scales).
+template <class Arith, int R, int M, int G>
+void dot_tile_subchunk(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w,
+                       float* out, int64_t ldo, const float* scale, int64_t KB) {
+  static_assert(Arith::kSubChunkScales, "the accumulator's lanes must follow the chunk's blocks");
+  const auto& tables = Arith::tables();
+  __m512 total[R][M];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < M; i++) total[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0, b = 0; k < K; k += kChunk, b += G) {
+    const __mmask64 m = chunk_mask(k, K);
+    for (int r = 0; r < R; r++) {
+      const __m512 s = chunk_scales<G>(scale + r * KB + b, KB - b);
+      __m512i even, odd;
+      Arith::widen(_mm512_maskz_loadu_epi8(m, w + r * K + k), tables, even, odd);
+      for (int i = 0; i < M; i++)
+        total[r][i] = Arith::flush(Arith::dot(Arith::zero(), even, odd, x + i * Kp + k), s, total[r][i]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < M; i++) out[i * ldo + r] = _mm512_reduce_add_ps(total[r][i]) * factor[i];
+}
+
+// One tile of R weight rows by the block layout's kernel.
+template <class Arith, int R, int M>
+inline void any_tile(const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, float* out,
+                     int64_t ldo, const float* scale, int64_t KB, int64_t kblock) {
+  if constexpr (Arith::kSubChunkScales) {
+    if (kblock == 32) return dot_tile_subchunk<Arith, R, M, 2>(x, factor, Kp, K, w, out, ldo, scale, KB);
+    if (kblock == 16) return dot_tile_subchunk<Arith, R, M, 4>(x, factor, Kp, K, w, out, ldo, scale, KB);
+  }
+  dot_tile<Arith, R, M>(x, factor, Kp, K, w, out, ldo, scale, KB, kblock);
+}
+
 // Weight rows [n0, n1) against m <= Arith::kMaxPass rows of x, in tiles of Arith::kTileRows<m> weight rows.
 template <class Arith, int M = 1>
 void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t K, const uint8_t* w, int64_t n0,
@@ -134,9 +183,9 @@ void dot_rows(int m, const uint16_t* x, const float* factor, int64_t Kp, int64_t
   constexpr int R = Arith::template kTileRows<M>;
   int64_t n = n0;
   for (; n + R <= n1; n += R)
-    dot_tile<Arith, R, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+    any_tile<Arith, R, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
   for (; n < n1; n++)
-    dot_tile<Arith, 1, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
+    any_tile<Arith, 1, M>(x, factor, Kp, K, w + n * K, out + n, ldo, scale + n * KB, KB, kblock);
 }
 
 // The kernels' common contract: checks (named by `name`), x prepared by Arith::prepare, the threads over
@@ -149,8 +198,9 @@ at::Tensor run(const char* name, at::Tensor x, at::Tensor codes, at::Tensor scal
               codes.scalar_type(), " ", codes.sizes());
   const int64_t N = codes.size(0), K = codes.size(1);
   if (kblock <= 0) kblock = K;
-  TORCH_CHECK(kblock == K || kblock % kChunk == 0, name, ": kblock must be K (", K, ") or a multiple of 64, got ",
-              kblock);
+  const bool subchunk = Arith::kSubChunkScales && (kblock == 16 || kblock == 32);
+  TORCH_CHECK(kblock == K || kblock % kChunk == 0 || subchunk, name, ": kblock must be K (", K, ") or a multiple of 64",
+              Arith::kSubChunkScales ? " (or 16 or 32)" : "", ", got ", kblock);
   const int64_t KB = (K + kblock - 1) / kblock;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * KB,
               name, ": scales must be contiguous float32 [N, K / kblock] = [", N, ", ", KB, "], got ",
@@ -226,6 +276,9 @@ struct Bf16Arith {
   template <int M>
   static constexpr int kTileRows = 1;         // a weight row at a time, in address order (see the top)
   static constexpr bool kPrefetch = false;    // the hardware prefetchers keep up with one stream a thread
+  // Acc's float32 lane l sums only codes 16 (l / 4) .. 16 (l / 4) + 15 of a chunk (e4m3x64_bf16's unpacks and
+  // vdpbf16ps's pairs stay within 128-bit lanes), so blocks of 16 or 32 inputs can be scaled lane by lane.
+  static constexpr bool kSubChunkScales = true;
 
   // x's row rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)); factor 1.
   static float prepare(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
@@ -280,6 +333,7 @@ struct F16Arith {
   template <int M>
   static constexpr int kTileRows = M <= 2 ? 4 : M <= 4 ? 2 : 1;    // R x M <= 8 (fp16 and float32 sums)
   static constexpr bool kPrefetch = true;     // R rows interleaved: a software prefetch two tiles ahead
+  static constexpr bool kSubChunkScales = false;   // blocks of 16 or 32 inputs are not taken
 
   // x's row times 2^shift, shift such that max |x| 2^shift < 2^kXExponent, rounded to fp16 (nearest even:
   // relative 2^-11; values under 2^-14 of that scale's unit lose bits as fp16 subnormals); factor 2^(8 - shift)

@@ -6,7 +6,7 @@
     defined(__AVX512BF16__)
 #define TOKENMILL_FP8_GEMV_BF16 1
 // x [T, K] float32 @ (codes [N, K] float8_e4m3fn x scales [N, K / kblock] float32)^T -> y [T, N] float32,
-// K a multiple of 8, kblock = K (a scale per row) or a multiple of 64. x is rounded to bfloat16 (nearest
+// K a multiple of 8, kblock = K (a scale per row), 16, 32 or a multiple of 64. x is rounded to bfloat16 (nearest
 // even, as torch's .to(torch.bfloat16)); each code is widened to bfloat16 in registers, exactly (every E4M3
 // value but NaN is a bfloat16); the products are summed in float32 (vdpbf16ps) per block of kblock inputs,
 // and each block's sum is multiplied by its float32 scale. So y equals x.bfloat16().float() @ dequantized^T
@@ -27,6 +27,6 @@ at::Tensor fp8_gemv_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, int6
 // speed: the decode is 3 ops per 32 weights where bfloat16's table lookups share the shuffle port with
 // vdpbf16ps, and fp16 FMAs run 2 a cycle. Rows of x share each decoded weight vector 8 at a time. The float32
 // totals hold the scaled x's products (under 3,584 |scale| K), so block scales must stay under about 1e32 at
-// K = 576 (checkpoint scales are amax / 448).
+// K = 576 (checkpoint scales are amax / 448). kblock = K or a multiple of 64.
 at::Tensor fp8_gemv_f16(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t kblock);
 #endif

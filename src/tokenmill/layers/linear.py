@@ -144,7 +144,7 @@ class Linear(nn.Module):
         # kind "" = no kernel above tile_max_rows (its weight argument is unused)
         large = native.LargeLinear("", weight) if large is None else native.LargeLinear(*large)
         return native.DecodeLinear(kind, weight, scales, bias, self.out_features, self.tile_max_rows,
-                                   large)
+                                   large, self.quant_method.tile_scale_block(self))
 
 
 class ColumnParallelLinear(Linear):

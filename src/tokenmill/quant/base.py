@@ -72,6 +72,10 @@ class QuantMethod:
         weights (also what csrc/decode_layer.h's DecodeLinear runs); None when `apply` is the only path."""
         return None
 
+    def tile_scale_block(self, layer: nn.Module) -> int:
+        """Inputs per scale of tile_weights' scales, for the native DecodeLinear; 0: the kernel's own rule."""
+        return 0
+
     def tile_kernel(self, layer: nn.Module):
         """A function x [T, in] float32 -> [T, out] float32 (bias included) for T <= tile_max_rows, bound to
         this layer's tiles (tile_weights); None when `apply` is the only path."""

@@ -2,14 +2,17 @@
 grouped GEMM with one group: the 7 magnitude bits moved into float32's exponent and mantissa; to bfloat16 in
 the fast mode's kernels), times a float32 scale per output row and block of inputs:
 
-    w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel) or 128 (blocks)
+    w[n, k] = fp8[n, k] * scale[n, k // kblock]        kblock = K (per tensor / per channel), 128 (blocks) or
+                                                       the group size (groups: 16, 32 or a multiple of 64)
 
 Steps of up to `tile_max_rows` rows (decode):
 - the fast mode (`bf16_activations`, the default) where the build has AVX-512 FP16 (Sapphire Rapids and
   later): fp8_gemv_f16, the codes widened to fp16 in registers by shifts (exact), each row of activations
   scaled by a power of two and rounded to fp16, fp16 FMAs summing at most 8 products a lane before float32
-  (relative error about 4e-4 of the output's norm, a quarter of bfloat16's);
-- the fast mode where the build has AVX-512 BF16 and VBMI but not FP16 (Zen 4): fp8_gemv_bf16, the codes
+  (relative error about 4e-4 of the output's norm, a quarter of bfloat16's); scales per row or per a
+  multiple of 64 inputs only (its fp16 sums span 4 chunks of 64);
+- the fast mode where the build has AVX-512 BF16 and VBMI but not FP16 (Zen 4), and for layers with scales
+  per 16 or 32 inputs where it has both: fp8_gemv_bf16, the codes
   widened to bfloat16 in registers by table lookups (exact), the activations rounded to bfloat16, the
   products summed in float32 (vdpbf16ps), a block's sum times its scale in float32;
 - otherwise float32 activations (the grouped GEMM: each code decoded to float32 in registers), the exact
@@ -20,7 +23,7 @@ as `checkpoint_fp8`: per shard of a fused layer, the strategy and the scale), so
 checkpoint's own; otherwise (quantization="fp8" on a float checkpoint) per output channel, amax / 448.
 Steps of more than `tile_max_rows` rows (prefill chunks, large decode batches):
 - the fast mode (`bf16_activations`, where the build has AVX-512 BF16; the default): one bfloat16 GEMM with
-  float32 sums (fp8_linear_bf16: the codes widened to bfloat16 natively, exact; with 128 x 128 block scales
+  float32 sums (fp8_linear_bf16: the codes widened to bfloat16 natively, exact; with block or group scales
   each code x scale rounded to bfloat16), the activations and the output rounded to bfloat16 (relative
   error about 2^-9 each; measured 2-3e-3 of the output's norm), twice the float32 GEMM's rate with AVX-512
   BF16, about seven times with AMX (oneDNN uses its tiles where the CPU has them). This CPU has
@@ -71,14 +74,17 @@ class FP8Method(QuantMethod):
         native = tile_kernels.kernels() if self.bf16_activations else None
         return getattr(native, "fp8_linear_bf16", None)
 
-    def fast_gemv(self) -> tuple[str, object] | None:
+    def fast_gemv(self, layer=None) -> tuple[str, object] | None:
         """The fast mode's kernel for steps of up to tile_max_rows, as (decoder-layer kind, function): csrc's
-        fp8_gemv_f16 where the build has it (AVX-512 FP16), else fp8_gemv_bf16 (AVX-512 BF16 and VBMI); None
-        in the exact mode or where the build has neither."""
+        fp8_gemv_f16 where the build has it (AVX-512 FP16) and the layer's scale blocks are whole chunks of 64
+        inputs, else fp8_gemv_bf16 (AVX-512 BF16 and VBMI; also blocks of 16 or 32); None in the exact mode or
+        where the build has neither."""
         native = tile_kernels.kernels() if self.bf16_activations else None
+        kblock = getattr(layer, "fp8_kblock", 0)
+        f16_takes = layer is None or kblock == layer.in_features or kblock % 64 == 0
         for kind, name in (("fp8_f16", "fp8_gemv_f16"), ("fp8_bf16", "fp8_gemv_bf16")):
             kernel = getattr(native, name, None)
-            if kernel is not None:
+            if kernel is not None and (kind != "fp8_f16" or f16_takes):
                 return kind, kernel
         return None
 
@@ -143,8 +149,11 @@ class FP8Method(QuantMethod):
         "fp8_bf16"); None without the native tile kernels (no native decoder layer)."""
         if tile_kernels.kernels() is None or not hasattr(tile_kernels.kernels(), "moe_grouped_gemm"):
             return None
-        gemv = self.fast_gemv()
+        gemv = self.fast_gemv(layer)
         return ("fp8" if gemv is None else gemv[0]), layer.fp8_weight, layer.fp8_scale
+
+    def tile_scale_block(self, layer) -> int:
+        return layer.fp8_kblock
 
     def tile_kernel(self, layer):
         """`apply` itself (tile_weights only names its kernels for the decoder layer)."""
@@ -165,7 +174,7 @@ class FP8Method(QuantMethod):
                 return self.add_bias(layer, y)
             w = tile_kernels.kernels().fp8_dequantize(layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
             return torch.nn.functional.linear(x.float(), w, layer.bias)
-        gemv = self.fast_gemv()
+        gemv = self.fast_gemv(layer)
         if gemv is not None:
             y = gemv[1](x.float(), layer.fp8_weight[0], layer.fp8_scale[0], layer.fp8_kblock)
             return self.add_bias(layer, y)
@@ -199,33 +208,48 @@ def _one_run(rows: int) -> torch.Tensor:
     return starts
 
 
-def scale_shapes(strategy: str, n: int, k: int) -> tuple[tuple[int, ...], ...]:
+def check_group(group: int) -> int:
+    """An FP8 group size the kernels take (16, 32 or a multiple of 64: the fast mode's gemv scales a chunk of
+    64 inputs lane by lane, or whole chunks), else ValueError naming it."""
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group not in (16, 32) and group % 64:
+        raise ValueError(f"FP8 group scales of {group!r} inputs are not supported; supported: groups of 16, 32 or "
+                         "a multiple of 64 inputs")
+    return group
+
+
+def scale_shapes(strategy: str, n: int, k: int, group: int = 0) -> tuple[tuple[int, ...], ...]:
     """The shapes a checkpoint's scale of an FP8 weight [n, k] may have: per tensor one value ([], [1]),
-    per channel [n, 1] or [n], in 128 x 128 blocks [ceil(n / 128), ceil(k / 128)]."""
+    per channel [n, 1] or [n], in 128 x 128 blocks [ceil(n / 128), ceil(k / 128)], per row and group of
+    `group` inputs [n, k / group] (none where k is not a multiple of group)."""
     if strategy == "tensor":
         return (), (1,), (1, 1)
     if strategy == "channel":
         return (n, 1), (n,)
     if strategy == "block":
         return ((-(-n // BLOCK), -(-k // BLOCK)),)
+    if strategy == "group":
+        return ((n, k // group),) if group > 0 and k % group == 0 else ()
     raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
 
 
 def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kblock: int,
                  name: str = "an FP8 weight's scale") -> torch.Tensor:
     """The scale of every (row, block of kblock inputs) of w [n, K]: from the checkpoint's per-tensor [1],
-    per-channel [n] / [n, 1] or block [n / 128, K / 128] scale (w is then only its shape: codes do; a scale
-    of another shape is a ValueError naming `name`), or (None) amax / 448 per row."""
+    per-channel [n] / [n, 1], block [n / 128, K / 128] or group [n, K / kblock] scale (w is then only its
+    shape: codes do; a scale of another shape is a ValueError naming `name`), or (None) amax / 448 per row."""
     n, k = w.shape
     kb = -(-k // kblock)
     if scale is None:
         amax = w.abs().amax(dim=1, keepdim=True)
         return (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny).expand(n, kb).contiguous()
-    expected = scale_shapes(strategy, n, k)
+    expected = scale_shapes(strategy, n, k, kblock)
     if tuple(scale.shape) not in expected:
-        raise ValueError(f"{name} has shape {list(scale.shape)}, expected "
-                         f"{' or '.join(str(list(e)) for e in expected)} ({strategy} scales of a weight [{n}, {k}])")
+        want = " or ".join(str(list(e)) for e in expected) or f"none: K = {k} is not a multiple of {kblock}"
+        raise ValueError(f"{name} has shape {list(scale.shape)}, expected {want} ({strategy} scales of a weight "
+                         f"[{n}, {k}]{f' in groups of {kblock}' if strategy == 'group' else ''})")
     scale = scale.float()
+    if strategy == "group":
+        return scale.contiguous()
     if strategy == "tensor":
         return scale.reshape(1, 1).expand(n, kb).contiguous()
     if strategy == "channel":
@@ -237,14 +261,33 @@ def expand_scale(w: torch.Tensor, strategy: str, scale: torch.Tensor | None, kbl
 
 def full_scale(scale: torch.Tensor, strategy: str, n: int, k: int) -> torch.Tensor:
     """The checkpoint's weight scale as every weight's [n, K] (differentiable: scale tuning trains it)."""
-    kblock = BLOCK if strategy == "block" else k
+    kblock = scale_block(strategy, scale, k)
     per_block = expand_scale(torch.empty(n, k, device="meta"), strategy, scale, kblock)
     return per_block.repeat_interleave(kblock, dim=1)[:, :k]
 
 
+def scale_block(strategy: str, scale: torch.Tensor | None, k: int) -> int:
+    """Inputs per scale of a weight [., k] with this strategy: 128 for blocks, k / scale's columns for groups
+    (scale [n, k / group]), else k."""
+    if strategy == "block":
+        return BLOCK
+    if strategy == "group":
+        if scale is None or scale.dim() != 2 or scale.shape[1] == 0 or k % scale.shape[1]:
+            raise ValueError(f"FP8 group scales must be [N, K / group] with K = {k}, got "
+                             f"{None if scale is None else list(scale.shape)}")
+        return k // scale.shape[1]
+    return k
+
+
 def _kblock(parts, k: int) -> int:
-    """Inputs per scale: 128 when any shard's scales are 128 x 128 blocks, else the whole row."""
-    return BLOCK if any(strategy == "block" for _, strategy, _ in parts) else k
+    """Inputs per scale of a layer whose shards are `parts` (rows, strategy, scale): 128 when any shard's
+    scales are 128 x 128 blocks, the group size for group scales (every shard's the same), else the row."""
+    blocks = {scale_block(strategy, scale, k) for _, strategy, scale in parts}
+    if len(blocks) == 1:
+        return blocks.pop()
+    if any(strategy == "group" for _, strategy, _ in parts):
+        raise ValueError(f"a fused layer's FP8 shards have scales per different numbers of inputs: {sorted(blocks)}")
+    return BLOCK
 
 
 def quantize_with(w: torch.Tensor, scales: torch.Tensor, kblock: int) -> torch.Tensor:

@@ -2,9 +2,10 @@
 ModelOpt's hf_quant_config.json), its tensors read into float weights plus the checkpoint's scales, which
 the layer's method (quant/fp8.py) then uses to give back exactly the checkpoint's codes.
 
-Supported: FP8 E4M3 weights, per tensor, per channel or in 128 x 128 blocks, from
-- compressed-tensors (llm-compressor): `weight` float8_e4m3fn, `weight_scale` [1] / [N, 1] / [N/128, K/128]
-  (config_groups weights: num_bits 8, type float, strategy tensor | channel | block);
+Supported: FP8 E4M3 weights, per tensor, per channel, in 128 x 128 blocks or per row and group of inputs, from
+- compressed-tensors (llm-compressor): `weight` float8_e4m3fn, `weight_scale` [1] / [N, 1] / [N/128, K/128] /
+  [N, K/group] (config_groups weights: num_bits 8, type float, strategy tensor | channel | block | group with
+  group_size 16, 32 or a multiple of 64);
 - NVIDIA ModelOpt (quant_algo FP8): `weight`, `weight_scale` [] per tensor;
 - DeepSeek-V3/R1 (quant_method fp8, weight_block_size [128, 128]): `weight`, `weight_scale_inv` per block
   (a multiplier, despite the name).
@@ -42,7 +43,8 @@ import torch
 
 from tokenmill.quant.activations import ActivationScheme, InputQuant
 
-SUPPORTED = ("FP8 E4M3 weights per tensor, per channel or in 128x128 blocks; NVFP4 weights (groups of 16); "
+SUPPORTED = ("FP8 E4M3 weights per tensor, per channel, in 128x128 blocks or in groups of 16, 32 or a multiple "
+             "of 64 inputs; NVFP4 weights (groups of 16); "
              "MXFP4 weights (groups of 32, compressed-tensors; gpt-oss's experts)")
 NVFP4_GROUP = 16
 BLOCK_INPUTS = 128                  # DeepSeek-V3's FP8 blocks, and its activations' token groups
@@ -59,6 +61,7 @@ class CheckpointQuant:
     weight_name: str = "weight"    # the codes' tensor: "weight" | "weight_packed" (compressed-tensors FP4)
     activations: ActivationScheme | None = None     # how inputs are quantized; None: weight-only
     input_scale_name: str = ""     # the static activation scale's tensor: "input_scale" (x) | "input_global_scale" (/)
+    group_size: int = 0            # FP8 "group": inputs per scale (quant/fp8.py check_group); 0 otherwise
 
     @property
     def fp4_group(self) -> int:
@@ -129,7 +132,8 @@ def detect(hf_config, model_path: str) -> CheckpointQuant | None:
 
 
 def _compressed_tensors(qc: dict) -> CheckpointQuant:
-    strategies, activations = set(), set()
+    from tokenmill.quant.fp8 import check_group
+    strategies, activations, groups = set(), set(), set()
     for name, group in (qc.get("config_groups") or {}).items():
         activations.add(_ct_activations(name, group.get("input_activations")))
         w = group.get("weights") or {}
@@ -141,16 +145,23 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                                                                                            FP4_GROUPS["mxfp4"]):
             strategies.add("mxfp4")
             continue
-        ok = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel", "block")
+        ok = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel",
+                                                                                           "block", "group")
         if w.get("strategy") == "block" and list(w.get("block_structure") or [128, 128]) != [128, 128]:
             ok = False
         if not ok:
             raise ValueError(f"compressed-tensors scheme of {name} (weights num_bits={w.get('num_bits')}, "
                              f"type={w.get('type')}, strategy={w.get('strategy')}) is not supported; "
                              f"supported: {SUPPORTED}")
+        if w["strategy"] == "group":
+            try:
+                groups.add(check_group(w.get("group_size")))
+            except ValueError as e:
+                raise ValueError(f"compressed-tensors scheme of {name}: {e}") from None
         strategies.add(w["strategy"])
-    if len(strategies) != 1:
-        raise ValueError(f"compressed-tensors: one weight strategy for every group is supported, got {sorted(strategies)}")
+    if len(strategies) != 1 or len(groups) > 1:
+        raise ValueError("compressed-tensors: one weight strategy for every group is supported, got "
+                         f"{sorted(strategies)}" + (f" with group sizes {sorted(groups)}" if len(groups) > 1 else ""))
     if len(activations) != 1:
         raise ValueError("compressed-tensors: one activation scheme for every group is supported, got "
                          + ", ".join(sorted("weight-only" if a is None else a.describe() for a in activations)))
@@ -168,7 +179,7 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
     if strategy == "mxfp4":
         return CheckpointQuant("compressed-tensors", "mxfp4", "weight_scale", "mxfp4", "", "weight_packed", acts)
     return CheckpointQuant("compressed-tensors", strategy, "weight_scale", activations=acts,
-                           input_scale_name=input_scale)
+                           input_scale_name=input_scale, group_size=groups.pop() if groups else 0)
 
 
 def _ct_activations(name: str, a: dict | None) -> ActivationScheme | None:
@@ -223,8 +234,8 @@ def read_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, torch.Tensor | 
 
 def check_scale_shape(module: str, scale_shape: tuple, weight_shape: tuple, fmt: CheckpointQuant) -> None:
     """ValueError naming `module`'s scale tensor unless its shape is what the format declares for the weight's:
-    FP8 per tensor [] / [1], per channel [N, 1] / [N], blocks [ceil(N / 128), ceil(K / 128)]; FP4 [N, K / group]
-    (the weight's codes packed two a byte: [N, K / 2])."""
+    FP8 per tensor [] / [1], per channel [N, 1] / [N], blocks [ceil(N / 128), ceil(K / 128)], groups
+    [N, K / group]; FP4 [N, K / group] (the weight's codes packed two a byte: [N, K / 2])."""
     from tokenmill.quant.fp8 import scale_shapes
     name = f"{module}.{fmt.scale_name}"
     if len(weight_shape) != 2:
@@ -234,9 +245,11 @@ def check_scale_shape(module: str, scale_shape: tuple, weight_shape: tuple, fmt:
         expected = ((n, k // fmt.fp4_group),) if k % fmt.fp4_group == 0 else ()
         declared = f"{fmt.strategy} scales per {fmt.fp4_group} inputs"
     else:
-        expected, declared = scale_shapes(fmt.strategy, n, k), f"FP8 {fmt.strategy} scales"
+        expected = scale_shapes(fmt.strategy, n, k, fmt.group_size)
+        declared = f"FP8 {fmt.strategy} scales" + (f" per {fmt.group_size} inputs" if fmt.group_size else "")
     if tuple(scale_shape) not in expected:
-        want = " or ".join(str(list(e)) for e in expected) or f"none: K = {k} is not a multiple of {fmt.fp4_group}"
+        want = " or ".join(str(list(e)) for e in expected) or \
+            f"none: K = {k} is not a multiple of {fmt.fp4_group or fmt.group_size}"
         raise ValueError(f"{name} has shape {list(scale_shape)}, expected {want} ({fmt.vendor} {declared} of a "
                          f"weight [{n}, {k}])")
 
@@ -277,7 +290,7 @@ def dequantized_weights(iter_weights, fmt: CheckpointQuant, scales: dict[str, to
             continue
         if q.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: a {fmt.vendor} FP8 weight must be float8_e4m3fn, got {q.dtype}")
-        kblock = BLOCK if fmt.strategy == "block" else q.shape[1]
+        kblock = BLOCK if fmt.strategy == "block" else fmt.group_size or q.shape[1]
         full = expand_scale(q.float(), fmt.strategy, scales[module], kblock, f"{module}.{fmt.scale_name}")
         yield name, dequantize(q, full, kblock)
 
@@ -307,11 +320,9 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
             continue
         rows, cols = layer.checkpoint_slice(shard)
         part = scale
-        if fmt.fp4_group:                    # [N, K / group]: this rank's rows, its columns' groups
-            group, c0, c1 = fmt.fp4_group, cols.start or 0, cols.stop
-            if c0 % group or (c1 is not None and c1 % group):
-                raise ValueError(f"{layer_name}: this rank's columns do not start on a {group}-group boundary")
-            part = scale_tensor(scale)[rows, c0 // group: None if c1 is None else c1 // group]
+        if fmt.fp4_group or fmt.group_size:      # [N, K / group]: this rank's rows, its columns' groups
+            part = _group_columns(layer_name, scale_tensor(scale)[rows], cols, fmt.fp4_group or fmt.group_size)
+        if fmt.fp4_group:
             tensor_scale = scale.tensor_scale if isinstance(scale, TensorScaled) else None
             target_rows = layer.shard_rows(shard) if shard is not None else slice(0, layer.out_features)
             layer.checkpoint_fp4 = getattr(layer, "checkpoint_fp4", []) + [(target_rows, part, tensor_scale)]
@@ -335,6 +346,14 @@ def attach_scales(model, scales: dict[str, torch.Tensor], fmt: CheckpointQuant) 
     for layer_name in done:
         _check_rows_covered(modules[layer_name], layer_name)
     return done
+
+
+def _group_columns(layer_name: str, scale: torch.Tensor, cols: slice, group: int) -> torch.Tensor:
+    """Scales [n, K / group] of this rank's columns `cols` (which must start and end on group boundaries)."""
+    c0, c1 = cols.start or 0, cols.stop
+    if c0 % group or (c1 is not None and c1 % group):
+        raise ValueError(f"{layer_name}: this rank's columns do not start on a {group}-group boundary")
+    return scale[:, c0 // group: None if c1 is None else c1 // group]
 
 
 def read_input_scales(iter_weights, fmt: CheckpointQuant) -> dict[str, float]:
