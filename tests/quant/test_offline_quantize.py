@@ -24,13 +24,13 @@ def _correlated_inputs(k: int, tokens: int = 2048, seed: int = 0) -> torch.Tenso
     return (torch.randn(tokens, k, generator=g) @ mix) * torch.linspace(0.2, 3.0, k)
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block", "group"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_lowers_the_output_error_and_stays_on_the_grid(strategy, act_order):
     w = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)) * 0.05
     x = _correlated_inputs(160)
     h = (x.T @ x).double() / len(x)
-    _, full = fp8_scales(w, strategy)
+    _, full = fp8_scales(w, strategy, 32)
     rtn = round_e4m3(w, full)
     gptq = quantize_weight(w, h, full, round_e4m3, GPTQConfig(block=32, act_order=act_order))
     assert torch.equal(round_e4m3(gptq, full), gptq)              # every value a code x its scale
@@ -64,30 +64,44 @@ def test_scales_follow_compressed_tensors_shapes():
     block = fp8_scales(w, "block")[0]
     assert block.shape == (2, 3) and block[0, 0] == 1.0
     assert torch.allclose(block[1, 2], w[128:, 256:].abs().max() / 448)
+    group, full = fp8_scales(w[:, :288], "group", 32)
+    assert group.shape == (200, 9) and (group[:, :4] == 1.0).all()
+    assert torch.allclose(group[7, 5], w[7, 160:192].abs().max() / 448)
+    assert torch.equal(full, group.repeat_interleave(32, dim=1))
+    with pytest.raises(ValueError, match=r"FP8 group scales of 64 inputs need the weight's K \(300\) to be a "
+                                         r"multiple of 64"):
+        fp8_scales(w, "group", 64)
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block", "group"])
 def test_searched_scales_never_raise_the_error_and_keep_the_checkpoints_shapes(strategy):
     """Each group's factor is in [1, 2) and its round-to-nearest output error is at most absmax / 448's; on
-    rows on a coarse grid of their own (as a dequantized Q4_1 file's), per channel far less. Per row the group errors
-    add up to the layer's output error exactly."""
+    rows on a coarse grid of their own (as a dequantized Q4_1 file's), per channel and per group of a row far
+    less. Per row the group errors add up to the layer's output error exactly; a row's groups' errors (each
+    by its own columns' H) to the sum of those blocks' terms."""
     from tokenmill.quant.offline import _group_errors, searched_scales
     g = torch.Generator().manual_seed(3)
     levels = torch.randint(0, 16, (160, 256), generator=g).float()
     w = (levels - 7.3) * torch.rand(160, 1, generator=g) * 0.01          # 16 levels per row, any step
     x = _correlated_inputs(256)
     h = (x.T @ x).double() / len(x)
-    base_scale, base_full = fp8_scales(w, strategy)
-    scale, full = searched_scales(w, h, strategy, 16)
+    base_scale, base_full = fp8_scales(w, strategy, 32)
+    scale, full = searched_scales(w, h, strategy, 16, 32)
     assert scale.shape == base_scale.shape and full.shape == w.shape
     factor = scale / base_scale
     assert (factor >= 1).all() and (factor < 2).all()
-    assert torch.equal(searched_scales(w, h, strategy, 1)[1], base_full)
+    assert torch.equal(searched_scales(w, h, strategy, 1, 32)[1], base_full)
     rtn, searched = round_e4m3(w, base_full), round_e4m3(w, full)
     # a row's own step can be matched by its own scale only (per tensor / block the rows' steps differ)
-    assert output_error(w, searched, h) <= (0.9 if strategy == "channel" else 1.0) * output_error(w, rtn, h)
-    groups = _group_errors((w - searched).double(), h, "channel")
+    bound = 0.9 if strategy in ("channel", "group") else 1.0
+    assert output_error(w, searched, h) <= bound * output_error(w, rtn, h)
+    e = (w - searched).double()
+    groups = _group_errors(e, h, "channel")
     assert torch.allclose(groups.sum(), torch.tensor(output_error(w, searched, h), dtype=torch.float64), rtol=1e-9)
+    per_group = _group_errors(e, h, "group", 32)
+    assert per_group.shape == (160, 8)
+    own = ((e[:, 64:96] @ h[64:96, 64:96]) * e[:, 64:96]).sum(dim=1)
+    assert torch.allclose(per_group[:, 2], own, rtol=1e-9)
 
 
 def _reference_logits(src: str, tensors: dict[str, torch.Tensor], ids) -> torch.Tensor:
@@ -99,7 +113,7 @@ def _reference_logits(src: str, tensors: dict[str, torch.Tensor], ids) -> torch.
         return model(torch.tensor([ids])).logits[0, -1]
 
 
-@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("strategy", ["channel", "block", "group"])
 def test_the_written_checkpoint_loads_with_its_codes(tiny_model_factory, tmp_path, strategy):
     from safetensors.torch import load_file
     from tokenmill.cli import main
@@ -108,6 +122,9 @@ def test_the_written_checkpoint_loads_with_its_codes(tiny_model_factory, tmp_pat
     out = str(tmp_path / "fp8")
     assert main(["quantize", "--model", src, "--out", out, "--strategy", strategy,
                  "--num-calibration-sequences", "4", "--calibration-max-tokens", "24"]) == 0
+    weights = json.load(open(os.path.join(out, "config.json")))["quantization_config"]["config_groups"]["group_0"]
+    assert weights["weights"]["strategy"] == strategy
+    assert weights["weights"].get("group_size") == (32 if strategy == "group" else None)
     written = load_file(os.path.join(out, "model.safetensors"))
     report = json.load(open(os.path.join(out, "quantize_report.json")))
     assert report["calibration_tokens"] > 4 * 24 and len(report["layers"]) == 2 * 7     # 2 layers x 7 projections
@@ -129,13 +146,32 @@ def test_the_written_checkpoint_loads_with_its_codes(tiny_model_factory, tmp_pat
     for name, t in written.items():
         if t.dtype == torch.float8_e4m3fn:
             scale = written[name.removesuffix("weight") + "weight_scale"]
-            kblock = fp8.BLOCK if strategy == "block" else t.shape[1]
+            kblock = {"block": fp8.BLOCK, "group": 32}.get(strategy, t.shape[1])
             dequantized[name] = fp8.dequantize(t, fp8.expand_scale(t, strategy, scale, kblock), kblock)
     from tests.quant.test_fp8 import _engine_logits
     logits, tokens = _engine_logits(llm, PROMPT)
     ref = _reference_logits(src, dequantized, PROMPT)
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
     assert int(logits.argmax()) == int(ref.argmax()) == tokens[0]
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_work(tiny_model_factory, tmp_path,
+                                                                              monkeypatch, capsys):
+    """--group-size 64 on a model whose down_proj reads 96 inputs: refused, naming the layer, before the model
+    writes any calibration text; a group size the kernels do not take (48) likewise."""
+    from tokenmill import selfgen
+    from tokenmill.cli import main
+    src = tiny_model_factory("llama", hidden_size=128, intermediate_size=96)
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("calibration text was written before the group size was checked")
+    monkeypatch.setattr(selfgen, "written_sequences", no_text)
+    assert main(["quantize", "--model", src, "--out", str(tmp_path / "g"), "--strategy", "group",
+                 "--group-size", "64"]) != 0
+    assert "model.layers.0.mlp.down_proj has 96 inputs, not a multiple of --group-size 64" in capsys.readouterr().err
+    assert main(["quantize", "--model", src, "--out", str(tmp_path / "g"), "--strategy", "group",
+                 "--group-size", "48"]) != 0
+    assert "FP8 group scales of 48 inputs are not supported" in capsys.readouterr().err
 
 
 def test_rtn_needs_no_calibration_and_moe_is_refused(tiny_model_factory, tmp_path, capsys):

@@ -39,7 +39,7 @@ def _rounded(src: str, strategy: str):
     return teacher, student, quantized
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block", "group"])
 def test_tuning_lowers_the_heldout_kl_and_changes_only_the_scales(tiny_model_factory, strategy):
     src = tiny_model_factory("llama", hidden_size=160, intermediate_size=288)
     teacher, student, quantized = _rounded(src, strategy)

@@ -17,7 +17,10 @@ def add_quantize_parser(sub) -> None:
                    help="directory for the quantized checkpoint (created if missing; not the model's own)")
     p.add_argument("--scheme", default="fp8", choices=["fp8"], help="the number format written")
     p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES,
-                   help="one FP8 scale per tensor, per output row (channel) or per 128 x 128 block")
+                   help="one FP8 scale per tensor, per output row (channel), per 128 x 128 block, or per row "
+                        "and group of --group-size inputs (group)")
+    p.add_argument("--group-size", type=int, default=d.group_size,
+                   help="inputs per scale with --strategy group: 16, 32 or a multiple of 64")
     p.add_argument("--algorithm", default=d.algorithm, choices=ALGORITHMS,
                    help="gptq: rounding that keeps each layer's output on the calibration text; rtn: nearest")
     p.add_argument("--num-calibration-sequences", type=int, default=d.num_sequences,
@@ -50,7 +53,7 @@ def cmd_quantize(ns) -> int:
     from tokenmill.quant.gptq import GPTQConfig
     from tokenmill.quant.scale_tuning import ScaleTuningConfig
     from tokenmill.selfgen import written_sequences
-    cfg = offline.QuantizeConfig(strategy=ns.strategy, algorithm=ns.algorithm,
+    cfg = offline.QuantizeConfig(strategy=ns.strategy, group_size=ns.group_size, algorithm=ns.algorithm,
                                  gptq=GPTQConfig(damp=ns.damp, act_order=ns.act_order),
                                  num_sequences=ns.num_calibration_sequences, max_tokens=ns.calibration_max_tokens,
                                  seed=ns.seed, sequential=ns.sequential, scale_search=ns.scale_search,
@@ -59,6 +62,7 @@ def cmd_quantize(ns) -> int:
     source = open_model_source(ns.model)
     offline.check_out(ns.out, source.path)
     offline.check_dense(source.hf_config)
+    offline.check_groups_fit(source.hf_config, cfg)
     with Progress(console=console) as progress:
         hessians, tokens, tuning = None, 0, None
         if cfg.needs_text:
