@@ -17,6 +17,7 @@ mode's speed is also given as a ratio to it.
         (a mode's suffix `+kvfp8`, e.g. `int4+kvfp8`, gives it an FP8 KV cache; `-exact`, e.g. `fp8-exact`,
         runs a format with a fast mode in its exact float32-activation mode)
         [--llama-cpp "$(benchmarks/peers/llama_cpp_setup.sh)"]
+        [--checkpoints fp8-g32=DIR,...]     # pre-quantized checkpoints of the default model, as modes NAME
 """
 from __future__ import annotations
 
@@ -131,7 +132,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="mode to profile after timing")
     ap.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                     help="interpreter with llama-cpp-python: measure llama.cpp in the same run")
+    ap.add_argument("--checkpoints", default="",
+                    help="NAME=DIR,...: pre-quantized checkpoints of the default model (e.g. written by "
+                         "`tokenmill quantize`), measured as modes NAME after --modes")
     args = ap.parse_args()
+    from quant_quality import parse_checkpoints
+    checkpoints = parse_checkpoints(ap, args.checkpoints)
     if args.threads:
         torch.set_num_threads(args.threads)
     from tokenmill import LLM
@@ -153,12 +159,15 @@ def main() -> None:
               f"(runs: {' '.join(f'{r:.1f}' for r in rates)})")
     print(f"{'mode':10s} {'decode tok/s':>12s} {'runs':>24s} {'GB/s':>6s} {'MB/step':>8s} {'bound tok/s':>11s} "
           f"{'of bound':>8s}" + (f" {'/llama.cpp':>10s}" if peer else ""))
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m] + list(checkpoints):
         weights, _, kv = mode.partition("+kv")                            # e.g. int4+kvfp8: an FP8 KV cache
         fmt = weights.removesuffix("-exact")                              # e.g. fp8-exact: its exact mode
-        with exact_mode(fmt) if weights.endswith("-exact") else contextlib.nullcontext():
-            llm = LLM(quantization=None if fmt == "fp32" else fmt, kv_cache_dtype=kv or "auto",
-                      kv_cache_memory_bytes=1 << 27)
+        if mode in checkpoints:
+            llm = LLM(checkpoints[mode], kv_cache_memory_bytes=1 << 27)
+        else:
+            with exact_mode(fmt) if weights.endswith("-exact") else contextlib.nullcontext():
+                llm = LLM(quantization=None if fmt == "fp32" else fmt, kv_cache_dtype=kv or "auto",
+                          kv_cache_memory_bytes=1 << 27)
         cfg = llm.engine.config.model
         kv_mean = cfg.kv_bytes_per_token * (args.prompt_len + args.output_len / 2)
         runner = llm.engine.core.runner

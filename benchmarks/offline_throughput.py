@@ -11,7 +11,8 @@ transformers' (fp32 weights), and tokenmill's start-up time to the first generat
 
 Comparisons instead (no peer, no start-up): --quantization int4,nvfp4,mxfp4 and / or --kv-cache-dtypes
 auto,fp8 build one engine per combination and interleave their runs; each rate is given as a ratio to the
-first's.
+first's. --checkpoints NAME=DIR,... adds pre-quantized checkpoints of the default model (e.g. written by
+`tokenmill quantize`) to those engines, after them.
 """
 from __future__ import annotations
 
@@ -134,16 +135,22 @@ def main() -> None:
                          "each's rate as a ratio to the first")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--checkpoints", default="",
+                    help="NAME=DIR,...: pre-quantized checkpoints of the default model, compared after the "
+                         "--quantization / --kv-cache-dtypes engines")
     args = ap.parse_args()
+    from quant_quality import parse_checkpoints
+    checkpoints = parse_checkpoints(ap, args.checkpoints)
     from tokenmill import LLM
 
     prompts = make_prompts(args.num_requests, args.prompt_len)
     engine_kwargs = dict(enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens)
     kv_dtypes = args.kv_cache_dtypes.split(",")
     quants = (args.quantization or "fp32").split(",")
-    if len(kv_dtypes) > 1 or len(quants) > 1:
+    if len(kv_dtypes) > 1 or len(quants) > 1 or checkpoints:
         variants = {f"{q} / kv {d}": dict(quantization=None if q == "fp32" else q, kv_cache_dtype=d)
                     for q in quants for d in kv_dtypes}
+        variants.update({name: dict(model=path, kv_cache_dtype=kv_dtypes[0]) for name, path in checkpoints.items()})
         compare_engines(LLM, engine_kwargs, variants, prompts, args)
         return
     if args.quantization and args.quantization != "fp32":

@@ -55,6 +55,16 @@ PROMPTS = [
 NUM_TOKENS = 32
 
 
+def parse_checkpoints(ap: argparse.ArgumentParser, text: str) -> dict[str, str]:
+    """--checkpoints' NAME=DIR,... as {NAME: DIR} (also read by decode_latency.py and offline_throughput.py);
+    anything else, or a DIR that is not a directory, is the parser's error."""
+    items = [item for item in text.split(",") if item]
+    bad = [item for item in items if "=" not in item or not os.path.isdir(item.split("=", 1)[1])]
+    if bad:
+        ap.error(f"--checkpoints takes NAME=DIR items, DIR a checkpoint directory; got {bad}")
+    return dict(item.split("=", 1) for item in items)
+
+
 def make_llm(mode: str | None, checkpoints: dict[str, str] | None = None):
     """mode: a name in `checkpoints` (the pre-quantized checkpoint directory it names, e.g. one written by
     `tokenmill quantize`), a weight quantization method, or "fp8-kv" / "bf16-kv" (float32 weights, an FP8 or
@@ -204,11 +214,7 @@ def main() -> None:
                     help="NAME=DIR,...: pre-quantized checkpoints of the default model (e.g. written by "
                          "`tokenmill quantize`), measured as modes NAME after --modes")
     args = ap.parse_args()
-    items = [item for item in args.checkpoints.split(",") if item]
-    bad = [item for item in items if "=" not in item or not os.path.isdir(item.split("=", 1)[1])]
-    if bad:
-        ap.error(f"--checkpoints takes NAME=DIR items, DIR a checkpoint directory; got {bad}")
-    checkpoints = dict(item.split("=", 1) for item in items)
+    checkpoints = parse_checkpoints(ap, args.checkpoints)
     if args.decode_chunk < 1:
         ap.error(f"--decode-chunk must be >= 1, got {args.decode_chunk}")
     PATHS["decode"] = args.decode_chunk
